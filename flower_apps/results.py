@@ -1,0 +1,158 @@
+"""One results writer for every run: a folder per run.
+
+``<results-dir>/<run-name>/``
+  ``config.json``     the resolved run config (every key, defaults included)
+  ``metrics.jsonl``   one JSON object per completed round
+  ``checkpoint.pt``   everything needed to resume, replaced atomically after each round
+  ``model.pt``        the final global model's state dict
+  ``curves.png``      accuracy and loss per round
+  ``partition.json``  the realised partition skew (R, class histograms, ...)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+# keys that may differ between the original run and a resumed one
+RESUMABLE_KEYS = ("resume", "num-rounds", "round-timeout", "min-nodes")
+
+
+def _json_default(o: Any):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class RunFolder:
+    """Writes (and, on resume, reads back) one run's folder."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    # ---------------------------------------------------------------- writing
+    def start(self, config: dict[str, Any], *, resume: bool) -> int:
+        """Prepare the folder; return the last completed round (0 for a fresh run)."""
+        cfg_path = self.path / CONFIG
+        if resume:
+            if not cfg_path.exists():
+                raise FileNotFoundError(f"resume=true but {cfg_path} does not exist")
+            old = json.loads(cfg_path.read_text())
+            diff = sorted(k for k in set(old) | set(config)
+                          if k not in RESUMABLE_KEYS and old.get(k) != config.get(k))
+            if diff:
+                raise ValueError(f"resume=true but the run config differs from {cfg_path} in: {', '.join(diff)}")
+            done = self.last_checkpoint_round()
+            self.truncate_metrics(done)
+            return done
+        if (self.path / METRICS).exists() and (self.path / METRICS).stat().st_size > 0:
+            raise FileExistsError(
+                f"run folder {self.path} already holds a run; choose another run-name, "
+                f"or set resume=true to continue it")
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(cfg_path, json.dumps(config, indent=2, sort_keys=True).encode())
+        return 0
+
+    def write_json(self, name: str, obj: Any) -> None:
+        atomic_write_bytes(self.path / name, json.dumps(obj, indent=2, default=_json_default).encode())
+
+    def append_metrics(self, rnd: int, metrics: dict[str, Any]) -> None:
+        row = {"round": rnd, **metrics}
+        with open(self.path / METRICS, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, default=_json_default) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def save_checkpoint(self, rnd: int, state: dict[str, Any]) -> None:
+        atomic_torch_save({"round": rnd, "state": state}, self.path / CHECKPOINT)
+
+    def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
+        atomic_torch_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.path / "model.pt")
+
+    # ---------------------------------------------------------------- reading
+    def last_checkpoint_round(self) -> int:
+        p = self.path / CHECKPOINT
+        return int(torch.load(p, map_location="cpu", weights_only=False)["round"]) if p.exists() else 0
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        p = self.path / CHECKPOINT
+        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+
+    def metrics(self) -> list[dict[str, Any]]:
+        p = self.path / METRICS
+        if not p.exists():
+            return []
+        rows = []
+        for line in p.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a killed process
+        return rows
+
+    def truncate_metrics(self, last_round: int) -> None:
+        """Keep rows of rounds <= last_round (a round after the checkpoint is redone)."""
+        rows = [r for r in self.metrics() if int(r.get("round", 0)) <= last_round]
+        atomic_write_bytes(self.path / METRICS,
+                           "".join(json.dumps(r, default=_json_default) + "\n" for r in rows).encode())
+
+    # ---------------------------------------------------------------- plot
+    def plot(self, title: str = "") -> Path | None:
+        rows = self.metrics()
+        if not rows:
+            return None
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rounds = [r["round"] for r in rows]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        acc_keys = [k for k in rows[-1] if k == "accuracy" or k.endswith("-accuracy") and "per-class" not in k]
+        for k in acc_keys:
+            a1.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
+        a1.set_xlabel("round"), a1.set_ylabel("test accuracy"), a1.grid(alpha=0.3), a1.legend(fontsize=8)
+        for k in ("loss", "train-loss"):
+            if any(k in r for r in rows):
+                a2.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
+        a2.set_xlabel("round"), a2.set_ylabel("loss"), a2.grid(alpha=0.3), a2.legend(fontsize=8)
+        fig.suptitle(title or self.path.name)
+        fig.tight_layout()
+        out = self.path / "curves.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out

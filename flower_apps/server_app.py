@@ -1,0 +1,92 @@
+"""The ServerApp: validate the run config, build the algorithm's strategy, run, write results."""
+from __future__ import annotations
+
+import os
+import time
+from logging import ERROR, INFO
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+from flower_apps.config import ParsedConfig, parse_run_config
+from flower_apps.results import RunFolder
+from strategies.base import RoundPolicy
+from tasks.config import ConfigError, to_flat
+
+app = ServerApp()
+
+
+def resolve_results_dir(results_dir: str) -> Path:
+    """Absolute as given; relative paths resolve against $FLOWER_SSL_HOME or the cwd.
+
+    Under ``flwr run`` the ServerApp's cwd is the SuperLink's, not the project's, so the
+    README passes an absolute ``results-dir`` (or sets FLOWER_SSL_HOME).
+    """
+    p = Path(os.path.expanduser(results_dir))
+    if p.is_absolute():
+        return p
+    return Path(os.environ.get("FLOWER_SSL_HOME", os.getcwd())) / p
+
+
+def resolved_config(parsed: ParsedConfig) -> dict:
+    cfg = {**to_flat(parsed.app), **to_flat(parsed.task)}
+    if parsed.algo is not None:
+        cfg.update(to_flat(parsed.algo, parsed.spec.namespace))
+    return cfg
+
+
+def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_rounds: int) -> str:
+    eta = elapsed / max(done_rounds, 1) * (total - rnd)
+    acc = metrics.get("accuracy", float("nan"))
+    loss = metrics.get("loss", float("nan"))
+    extra = f" | dropped {metrics['dropped']}" if metrics.get("dropped") else ""
+    if metrics.get("skipped"):
+        extra += " | SKIPPED"
+    return (f"round {rnd}/{total} | acc {acc:.4f} | loss {loss:.4f} | "
+            f"{metrics.get('round-seconds', 0.0):.1f}s | ETA {eta:.0f}s{extra}")
+
+
+def run(grid: Grid, run_config: dict) -> Path:
+    """Run one configured experiment on ``grid``; return the run folder."""
+    try:
+        parsed = parse_run_config(run_config)
+    except ConfigError as e:
+        log(ERROR, "invalid run config: %s", e)
+        raise
+    app_cfg, spec = parsed.app, parsed.spec
+    name = app_cfg.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = RunFolder(resolve_results_dir(app_cfg.results_dir) / name)
+    done = folder.start(resolved_config(parsed), resume=app_cfg.resume)
+
+    strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, RoundPolicy(
+        fraction_train=app_cfg.fraction_train, min_nodes=app_cfg.min_nodes,
+        round_timeout=app_cfg.round_timeout))
+    strategy.setup(grid)
+    folder.write_json("partition.json", strategy.env.plan.report)
+    if done:
+        ck = folder.load_checkpoint()
+        strategy.load_state_dict(ck["state"])
+        log(INFO, "resuming %s after completed round %d of %d", folder.path, done, app_cfg.num_rounds)
+    log(INFO, "run %s: algo=%s dataset=%s model=%s rounds=%d -> %s", name, spec.name,
+        parsed.task.dataset, parsed.task.model, app_cfg.num_rounds, folder.path)
+
+    t_start = time.time()
+
+    def on_round_end(rnd: int, metrics: dict) -> None:
+        metrics["wall-seconds"] = time.time() - t_start
+        folder.append_metrics(rnd, metrics)
+        folder.save_checkpoint(rnd, strategy.state_dict())
+        log(INFO, progress_line(rnd, app_cfg.num_rounds, metrics, time.time() - t_start, rnd - done))
+
+    strategy.start(grid, num_rounds=app_cfg.num_rounds, start_round=done + 1, on_round_end=on_round_end)
+    folder.save_model(strategy.eval_model().state_dict())
+    folder.plot(f"{spec.name} on {parsed.task.dataset}")
+    log(INFO, "results written to %s", folder.path)
+    return folder.path
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run(grid, dict(context.run_config))

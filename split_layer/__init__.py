@@ -1,0 +1,1 @@
+"""The split-learning extension: cut a model into bottom/top parts, exchange activations and gradients, count bytes."""

@@ -1,0 +1,324 @@
+"""The shared server-side base of every algorithm in this library.
+
+``SSLStrategy`` is a :class:`flwr.serverapp.strategy.Strategy` whose ``start()`` runs
+the same round loop for all algorithms, with what Flower's loop lacks and every paper
+here needs:
+
+* seeded node sampling (``fraction-train``, ``min-nodes``) and a per-round timeout;
+* fault handling: an error reply or a node that misses the timeout is dropped from the
+  round with a logged warning and recorded in the round's metrics (``dropped``); a round
+  with fewer than ``min-nodes`` usable replies is skipped cleanly (no aggregation);
+* byte accounting by kind and direction (``bytes.<kind>.<up|down>``) for every message;
+* server-side evaluation of the global model on the held-out test set each round;
+* resumable state (``state_dict``/``load_state_dict``) and an ``on_round_end`` hook,
+  used by ``flower_apps`` to write metrics and atomic checkpoints.
+
+A subclass overrides only what differs (as Flower's FedProx only adds to FedAvg):
+``configure_train``/``aggregate_train`` for full-model algorithms, or ``run_round`` when
+the round itself has another shape (server-only training, split learning).
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from tasks.aggregate import weighted_mean
+from tasks.config import TaskConfig
+
+from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, TASK_KEY, Env,
+                     derive_seed, evaluate, load_numpy_state, record_to_numpy, server_env, task_record)
+
+
+@dataclass
+class RoundPolicy:
+    """How rounds are run: sampling, waiting and the minimum to aggregate."""
+
+    fraction_train: float = 1.0
+    min_nodes: int = 2
+    round_timeout: float = 600.0
+    wait_for_nodes: float = 300.0
+
+
+class ByteMeter:
+    """Counts message payload bytes by (kind, direction) for the current round."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, direction: str, nbytes: int) -> None:
+        self.counts[f"bytes.{kind}.{direction}"] += int(nbytes)
+
+    def add_record(self, kind: str, direction: str, rec: ArrayRecord) -> None:
+        self.add(kind, direction, array_bytes(rec))
+
+    def flush(self) -> dict[str, int]:
+        out = dict(self.counts)
+        out["bytes.total"] = sum(self.counts.values())
+        self.counts.clear()
+        return out
+
+
+def array_bytes(rec: ArrayRecord) -> int:
+    """Raw tensor bytes of an ArrayRecord (the payload, without record framing)."""
+    return int(sum(len(rec[k].data) for k in rec.keys()))
+
+
+class SSLStrategy(Strategy):
+    """Base strategy: round loop, sampling, faults, bytes, evaluation, checkpoints.
+
+    Parameters
+    ----------
+    task : TaskConfig
+        Data, partition, model and local-optimisation settings (sent to every client).
+    cfg : dataclass
+        The algorithm's own config (sent to every client as the ``algo`` record).
+    algo : str
+        The registry name; clients dispatch on it.
+    policy : RoundPolicy
+        Sampling, timeout and minimum number of nodes per round.
+    """
+
+    label_mode: str = "all"      # how the partition plan labels data (tasks.partition.LABEL_MODES)
+    uses_clients: bool = True    # False for server-only baselines (supervised-only)
+    with_client_test: bool = False
+
+    def __init__(self, task: TaskConfig, cfg: Any, algo: str, policy: RoundPolicy | None = None) -> None:
+        self.task, self.cfg, self.algo = task, cfg, algo
+        self.policy = policy or RoundPolicy()
+        self.meter = ByteMeter()
+        self.rng = random.Random(task.seed)
+        self.env: Env | None = None
+        self.model: torch.nn.Module | None = None
+        self.dropped: list[int] = []
+        self.num_partitions = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, grid: Grid | None) -> None:
+        """Build the server environment and the global model (idempotent)."""
+        if self.env is not None:
+            return
+        nodes = self.wait_for_nodes(grid) if (grid is not None and self.uses_clients) else []
+        self.num_partitions = len(nodes) or max(self.policy.min_nodes, 1)
+        self.env = server_env(self.task, self.num_partitions, self.label_mode, self.with_client_test)
+        self.model = self.env.build_model()
+        self.setup_algorithm()
+
+    def setup_algorithm(self) -> None:
+        """Hook for subclasses: extra server-side models, optimizers, queues."""
+
+    def wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.time() + self.policy.wait_for_nodes
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= self.policy.min_nodes:
+                return nodes
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"only {len(nodes)} node(s) connected after {self.policy.wait_for_nodes:.0f} s; "
+                    f"min-nodes={self.policy.min_nodes}. Start more SuperNodes or lower min-nodes.")
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ messaging
+    def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) < self.policy.min_nodes:
+            nodes = self.wait_for_nodes(grid)
+        k = max(self.policy.min_nodes, int(round(self.policy.fraction_train * len(nodes))))
+        k = min(k, len(nodes))
+        rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
+        return sorted(rng.sample(nodes, k))
+
+    def base_content(self, server_round: int, **config: Any) -> RecordDict:
+        cfg = {"server-round": server_round, "algo": self.algo, **config}
+        return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
+                           CONFIG_KEY: ConfigRecord(cfg)})
+
+    def algo_flat(self) -> dict[str, Any]:
+        from tasks.config import to_flat
+        return to_flat(self.cfg) if self.cfg is not None else {}
+
+    def exchange(self, grid: Grid, messages: list[Message], timeout: float | None = None,
+                 poll: float = 0.01) -> list[Message]:
+        """Push, then poll for replies until all arrived or ``timeout``; drop failures.
+
+        Error replies and missing replies are logged, and their nodes are added to
+        ``self.dropped`` for this round. Only good replies are returned.
+        """
+        timeout = self.policy.round_timeout if timeout is None else timeout
+        if not messages:
+            return []
+        by_id = {}
+        for mid, m in zip(grid.push_messages(messages), messages):
+            by_id[mid] = m.metadata.dst_node_id
+        pending, out = set(by_id), []
+        deadline = time.time() + timeout
+        while pending and time.time() < deadline:
+            for r in grid.pull_messages(list(pending)):
+                rid = r.metadata.reply_to_message_id
+                if rid not in pending:
+                    continue
+                pending.discard(rid)
+                if r.has_error():
+                    node = by_id[rid]
+                    log(WARNING, "node %s dropped from round: error %s: %s", node, r.error.code,
+                        (r.error.reason or "")[:500])
+                    self.dropped.append(node)
+                else:
+                    out.append(r)
+            if pending:
+                time.sleep(poll)
+        for rid in pending:
+            log(WARNING, "node %s dropped from round: no reply within %.0f s", by_id[rid], timeout)
+            self.dropped.append(by_id[rid])
+        return out
+
+    # ------------------------------------------------------------------ FedAvg-style round
+    def global_arrays(self) -> ArrayRecord:
+        from .common import model_to_record
+        return model_to_record(self.model)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        nodes = self.sample_nodes(grid, server_round)
+        msgs = []
+        for n in nodes:
+            content = self.base_content(server_round, **dict(config))
+            content[ARRAYS_KEY] = arrays
+            self.meter.add_record("weights", "down", arrays)
+            msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
+        return msgs
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        states, weights, losses = [], [], []
+        for r in replies:
+            rec = r.content.array_records[ARRAYS_KEY]
+            self.meter.add_record("weights", "up", rec)
+            met = r.content.metric_records[METRICS_KEY]
+            states.append(record_to_numpy(rec))
+            weights.append(float(met["num-examples"]))
+            losses.append(float(met.get("train-loss", float("nan"))))
+        if len(states) < self.policy.min_nodes:
+            return None, None
+        new = weighted_mean(states, weights)
+        load_numpy_state(self.model, new)
+        loss = float(np.average(losses, weights=weights)) if sum(weights) > 0 else float("nan")
+        return self.global_arrays(), MetricRecord({"train-loss": loss})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # evaluation is centralised on the server test set (evaluate_global)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def summary(self) -> None:
+        log(INFO, "%s: %s", type(self).__name__, self.task)
+
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        """One round; returns its metrics. Default: FedAvg-style train round."""
+        msgs = list(self.configure_train(server_round, self.global_arrays(), ConfigRecord(), grid))
+        replies = self.exchange(grid, msgs)
+        arrays, metrics = self.aggregate_train(server_round, replies)
+        out: dict[str, Any] = {"participants": len(replies)}
+        if arrays is None:
+            out["skipped"] = 1
+            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round,
+                len(replies), self.policy.min_nodes)
+        if metrics is not None:
+            out.update(dict(metrics))
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_model(self) -> torch.nn.Module:
+        """The model whose test accuracy is the run's result (override: e.g. EMA teacher)."""
+        return self.model
+
+    def evaluate_global(self) -> dict[str, Any]:
+        env = self.env
+        return evaluate(self.eval_model(), env.bundle.test, aug=env.augmenter, device=env.device,
+                        num_classes=env.num_classes)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume after the last completed round."""
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                "rng": self.rng.getstate(), "extra": self.extra_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.rng.setstate(state["rng"])
+        self.load_extra_state(state.get("extra", {}))
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the loop
+    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 3,
+              timeout: float | None = None, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None, *,
+              start_round: int = 1,
+              on_round_end: Callable[[int, dict[str, Any]], None] | None = None) -> Result:
+        """Run rounds ``start_round..num_rounds`` and return Flower's ``Result``.
+
+        Same signature as Flower's ``Strategy.start`` (``initial_arrays`` optional: the
+        model is built from the task config), plus ``start_round`` and ``on_round_end``
+        for resuming and for writing results.
+        """
+        if timeout is not None:
+            self.policy.round_timeout = float(timeout)
+        self.setup(grid)
+        if initial_arrays is not None:
+            load_numpy_state(self.model, record_to_numpy(initial_arrays))
+        result = Result()
+        if start_round == 1:
+            m0 = self.evaluate_global()
+            result.evaluate_metrics_serverapp[0] = MetricRecord(_metric_safe(m0))
+        for rnd in range(start_round, num_rounds + 1):
+            t0 = time.time()
+            self.dropped = []
+            metrics = self.run_round(rnd, grid)
+            metrics.update(self.meter.flush())
+            metrics["dropped"] = sorted(set(self.dropped))
+            ev = self.evaluate_global()
+            if evaluate_fn is not None:
+                extra = evaluate_fn(rnd, self.global_arrays())
+                if extra is not None:
+                    ev.update(dict(extra))
+            metrics.update(ev)
+            metrics["round-seconds"] = time.time() - t0
+            result.train_metrics_clientapp[rnd] = MetricRecord(_metric_safe(metrics))
+            result.evaluate_metrics_serverapp[rnd] = MetricRecord(_metric_safe(ev))
+            if on_round_end is not None:
+                on_round_end(rnd, metrics)
+        result.arrays = self.global_arrays()
+        return result
+
+
+def _metric_safe(d: dict[str, Any]) -> dict[str, Any]:
+    """Keep what a MetricRecord accepts (numbers and lists of numbers)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool):
+            out[k] = int(v)
+        elif isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out[k] = [float(x) for x in v] if any(isinstance(x, float) for x in v) else list(v)
+    return out

@@ -1,0 +1,259 @@
+"""Building blocks shared by every algorithm: environments, local loops, evaluation, records.
+
+Client side: :func:`client_env` rebuilds a node's data partition, model factory and
+augmenter from the ``task`` ConfigRecord that every server message carries (plus the
+node's ``partition-id``/``num-partitions`` node config), so a ClientApp needs no
+other setup and no state beyond ``context.state``.
+Server side: :func:`server_env` builds the same objects for the ServerApp.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+
+from tasks.augment import Augmenter
+from tasks.config import ConfigError, TaskConfig, parse_dataclass, to_flat
+from tasks.data import ArrayDataset, DatasetBundle, load_dataset
+from tasks.models import StagedModel, build_model
+from tasks.partition import PartitionConfig, PartitionPlan, make_plan
+
+TASK_KEY = "task"        # ConfigRecord: the flat TaskConfig
+ALGO_KEY = "algo"        # ConfigRecord: the flat algorithm config
+CONFIG_KEY = "config"    # ConfigRecord: per-message values (server-round, op, ...)
+ARRAYS_KEY = "arrays"    # ArrayRecord: model weights
+METRICS_KEY = "metrics"  # MetricRecord: reply metrics
+
+
+# --------------------------------------------------------------------------- seeds, devices
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any parts (run seed, round, node, step, purpose...)."""
+    h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 1
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here; use device='auto' or 'cpu'")
+    return dev
+
+
+# --------------------------------------------------------------------------- environments
+def partition_config(task: TaskConfig) -> PartitionConfig:
+    return PartitionConfig(
+        scheme=task.partition, alpha=task.partition_alpha,
+        classes_per_client=task.partition_classes_per_client, r=task.partition_r,
+        server_labels=task.server_labels, labeled_alpha=task.partition_labeled_alpha,
+        mismatch_ratio=task.partition_mismatch_ratio,
+        labeled_per_client=task.partition_labeled_per_client,
+        labeled_classes_per_client=task.partition_labeled_classes,
+        min_size=task.partition_min_size, seed=task.seed)
+
+
+def load_bundle(task: TaskConfig) -> DatasetBundle:
+    return load_dataset(task.dataset, seed=task.seed, test_fraction=task.test_fraction,
+                        split=task.dataset_split, image_key=task.image_key, label_key=task.label_key)
+
+
+@functools.lru_cache(maxsize=8)
+def _plan_cached(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool) -> PartitionPlan:
+    bundle = load_bundle(task)
+    return make_plan(bundle.train.y, num_partitions, partition_config(task), label_mode=label_mode,
+                     test_labels=bundle.test.y if with_test else None)
+
+
+def make_augmenter(bundle: DatasetBundle) -> Augmenter:
+    return Augmenter(bundle.in_channels, bundle.image_size, flip=not bundle.is_digits)
+
+
+@dataclass
+class Env:
+    """Data, partition plan, model factory and augmenter for one side of a run."""
+
+    task: TaskConfig
+    bundle: DatasetBundle
+    plan: PartitionPlan
+    device: torch.device
+    augmenter: Augmenter
+    partition_id: int = -1          # -1 on the server
+    num_partitions: int = 0
+
+    def build_model(self) -> StagedModel:
+        torch.manual_seed(derive_seed(self.task.seed, "init"))  # same init on every node
+        t = self.task
+        return build_model(t.model, in_channels=self.bundle.in_channels,
+                           num_classes=self.bundle.num_classes, image_size=self.bundle.image_size,
+                           norm=t.norm, dropout=t.dropout).to(self.device)
+
+    @property
+    def num_classes(self) -> int:
+        return self.bundle.num_classes
+
+    # client data
+    def labeled(self) -> ArrayDataset:
+        return self.bundle.train.subset(self.plan.clients[self.partition_id].labeled)
+
+    def unlabeled(self) -> ArrayDataset:
+        return self.bundle.train.subset(self.plan.clients[self.partition_id].unlabeled)
+
+    def client_test(self) -> ArrayDataset | None:
+        idx = self.plan.clients[self.partition_id].test
+        return None if idx is None else self.bundle.test.subset(idx)
+
+    # server data
+    def server_labeled(self) -> ArrayDataset:
+        return self.bundle.train.subset(self.plan.server_labeled)
+
+
+def task_from_record(rec: ConfigRecord) -> TaskConfig:
+    return parse_dataclass(TaskConfig, dict(rec), strict=False)
+
+
+def client_env(msg: Message, context: Context, label_mode: str, with_test: bool = False) -> Env:
+    """The node's environment, rebuilt from the message's ``task`` record (cached per process)."""
+    task = task_from_record(msg.content.config_records[TASK_KEY])
+    nc = context.node_config
+    try:
+        pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
+    except (KeyError, ValueError) as e:
+        raise ConfigError(
+            "this SuperNode has no usable node config: start it with "
+            "--node-config \"partition-id=<i> num-partitions=<n>\"") from e
+    if not 0 <= pid < n:
+        raise ConfigError(f"node config partition-id={pid} is outside [0, num-partitions={n})")
+    bundle = load_bundle(task)
+    plan = _plan_cached(task, n, label_mode, with_test)
+    return Env(task, bundle, plan, resolve_device(task.device), make_augmenter(bundle), pid, n)
+
+
+def server_env(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool = False) -> Env:
+    bundle = load_bundle(task)
+    plan = _plan_cached(task, max(num_partitions, 1), label_mode, with_test)
+    return Env(task, bundle, plan, resolve_device(task.device), make_augmenter(bundle))
+
+
+# --------------------------------------------------------------------------- records
+def model_to_record(model: torch.nn.Module, keys: list[str] | None = None) -> ArrayRecord:
+    sd = model.state_dict()
+    if keys is not None:
+        sd = {k: sd[k] for k in keys}
+    return numpy_to_record({k: v.detach().cpu().numpy() for k, v in sd.items()})
+
+
+def numpy_to_record(state: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v if v.flags.c_contiguous else v.copy(order="C"))
+                        for k, v in state.items()})
+
+
+def record_to_numpy(rec: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: rec[k].numpy() for k in rec.keys()}
+
+
+def load_numpy_state(model: torch.nn.Module, state: dict[str, np.ndarray], strict: bool = True) -> None:
+    own = model.state_dict()
+    if strict and set(own) != set(state):
+        missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        raise ValueError(f"model state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, v in state.items():
+        if k not in own:
+            continue
+        if tuple(own[k].shape) != tuple(v.shape):
+            raise ValueError(f"model state '{k}' has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        if np.issubdtype(v.dtype, np.floating) and not np.all(np.isfinite(v)):
+            raise ValueError(f"model state '{k}' contains NaN or Inf")
+        own[k].copy_(torch.from_numpy(np.asarray(v)).to(own[k].dtype))
+
+
+def trainable_keys(model: torch.nn.Module) -> list[str]:
+    return [k for k, _ in model.named_parameters()]
+
+
+# --------------------------------------------------------------------------- local loops
+def make_sgd(params, task: TaskConfig, lr: float | None = None) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=task.lr if lr is None else lr, momentum=task.momentum,
+                           weight_decay=task.weight_decay)
+
+
+def num_local_steps(task: TaskConfig, n: int) -> int:
+    """``local-steps`` if set, else ``local-epochs`` passes over ``n`` samples."""
+    if task.local_steps > 0:
+        return task.local_steps
+    return task.local_epochs * max(1, math.ceil(n / task.batch_size))
+
+
+def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
+    """``steps`` mini-batches of indices: reshuffled epochs, cycled, last batch kept short."""
+    if n == 0:
+        return
+    done = 0
+    while done < steps:
+        perm = torch.randperm(n, generator=gen)
+        for s in range(0, n, batch_size):
+            yield perm[s:s + batch_size]
+            done += 1
+            if done == steps:
+                return
+
+
+def to_device_batch(data: ArrayDataset, idx: torch.Tensor, device: torch.device):
+    i = idx.numpy()
+    return torch.from_numpy(data.x[i]).to(device), torch.from_numpy(data.y[i]).to(device)
+
+
+def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, steps: int,
+                     batch_size: int, optimizer: torch.optim.Optimizer, device: torch.device,
+                     seed: int, view: str = "weak") -> dict[str, float]:
+    """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default)."""
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    transform = getattr(aug, view)
+    total, seen = 0.0, 0
+    for idx in batch_indices(len(data), batch_size, steps, gen):
+        xb, yb = to_device_batch(data, idx, device)
+        loss = F.cross_entropy(model(transform(xb)), yb)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach()) * len(idx)
+        seen += len(idx)
+    return {"train-loss": total / max(seen, 1), "num-examples": float(seen)}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, device: torch.device,
+             num_classes: int, batch_size: int = 500) -> dict[str, float | list[float]]:
+    """Accuracy, mean loss and per-class accuracy of ``model`` on ``data`` (eval mode)."""
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(num_classes, dtype=torch.long)
+    count = torch.zeros(num_classes, dtype=torch.long)
+    loss_sum = 0.0
+    for s in range(0, len(data), batch_size):
+        xb = torch.from_numpy(data.x[s:s + batch_size]).to(device)
+        yb = torch.from_numpy(data.y[s:s + batch_size]).to(device)
+        logits = model(aug.test(xb))
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        pred = logits.argmax(1)
+        yc = yb.cpu()
+        count += torch.bincount(yc, minlength=num_classes)
+        correct += torch.bincount(yc[pred.cpu() == yc], minlength=num_classes)
+    model.train(was_training)
+    n = max(int(count.sum()), 1)
+    per_class = [float(c) / float(k) if k > 0 else float("nan") for c, k in zip(correct, count)]
+    return {"accuracy": float(correct.sum()) / n, "loss": loss_sum / n,
+            "per-class-accuracy": [0.0 if math.isnan(p) else p for p in per_class]}
+
+
+def task_record(task: TaskConfig) -> ConfigRecord:
+    return ConfigRecord(to_flat(task))

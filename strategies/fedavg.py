@@ -1,0 +1,87 @@
+"""FedAvg (all client data labeled) and the server-only ``supervised-only`` lower bound.
+
+``fedavg`` -- McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data" (AISTATS 2017). Each round the sampled clients start from the global
+weights w, run local SGD on cross-entropy over their labeled data (``local-epochs`` or
+``local-steps``) and return w_k with ``num-examples`` n_k; the server sets
+w <- sum_k n_k w_k / sum_k n_k (all state-dict entries, BN buffers included).
+
+Client contract: a ``train`` message carries ``arrays`` (the global state dict), ``task``
+(the flat TaskConfig) and ``config`` (``server-round``); the reply carries ``arrays``
+(the local state dict) and ``metrics`` with ``num-examples`` and ``train-loss``.
+
+``supervised-only`` -- the lower bound every semi-supervised paper here reports: the
+server trains on its N_s labeled samples (``server-labels``) alone, ``local-steps`` (or
+``local-epochs`` passes) of SGD per round; no client is contacted.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from .base import SSLStrategy
+from .common import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, client_env, derive_seed, load_numpy_state,
+                     make_sgd, model_to_record, num_local_steps, record_to_numpy, train_supervised)
+from .registry import AlgorithmSpec
+
+
+class FedAvgStrategy(SSLStrategy):
+    """Supervised FedAvg on fully labeled clients (the sanity reference)."""
+
+    label_mode = "all"
+
+
+def client_train(msg: Message, context: Context) -> Message:
+    """Local supervised SGD from the received global weights (see module docstring)."""
+    env = client_env(msg, context, label_mode="all")
+    rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
+    model = env.build_model()
+    load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
+    data = env.labeled()
+    task = env.task
+    metrics = train_supervised(
+        model, data, aug=env.augmenter, steps=num_local_steps(task, len(data)),
+        batch_size=task.batch_size, optimizer=make_sgd(model.parameters(), task), device=env.device,
+        seed=derive_seed(task.seed, "fedavg", rnd, env.partition_id))
+    return Message(RecordDict({ARRAYS_KEY: model_to_record(model), METRICS_KEY: MetricRecord(metrics)}),
+                   reply_to=msg)
+
+
+class SupervisedOnlyStrategy(SSLStrategy):
+    """The server trains on its labeled set alone (no client is contacted)."""
+
+    label_mode = "server"
+    uses_clients = False
+
+    def setup_algorithm(self) -> None:
+        if len(self.env.plan.server_labeled) == 0:
+            from tasks.config import ConfigError
+            raise ConfigError("supervised-only needs server-labels > 0 (N_s labeled samples on the server)")
+        self.optimizer = make_sgd(self.model.parameters(), self.task)
+
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        data = self.env.server_labeled()
+        return train_supervised(
+            self.model, data, aug=self.env.augmenter, steps=num_local_steps(self.task, len(data)),
+            batch_size=self.task.batch_size, optimizer=self.optimizer, device=self.env.device,
+            seed=derive_seed(self.task.seed, "server", server_round))
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+ALGORITHMS = {
+    "fedavg": AlgorithmSpec(
+        name="fedavg", paper="McMahan et al. 2017 (reference)", strategy_cls=FedAvgStrategy,
+        client={"train": client_train},
+        description="supervised FedAvg, all client data labeled"),
+    "supervised-only": AlgorithmSpec(
+        name="supervised-only", paper="lower bound of Semi-SFL / SSFL", strategy_cls=SupervisedOnlyStrategy,
+        description="server trains on its N_s labels alone"),
+}

@@ -1,0 +1,70 @@
+"""Algorithm registry: run-config name -> strategy class, config dataclass, client handlers.
+
+Each algorithm module exposes ``ALGORITHMS: dict[str, AlgorithmSpec]``. Baselines that
+differ from an algorithm by a switch are the same module with ``overrides`` (e.g. SCALA's
+``ca-sfl``), not copies. Modules are imported lazily: in a deployment every message runs
+in a fresh ClientApp process, which then imports only the algorithm it serves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flwr.app import Context, Message
+
+from tasks.config import ConfigError, parse_dataclass
+
+ClientHandler = Callable[[Message, Context], Message]
+
+# name -> module that defines it. Add a line here when you add an algorithm module.
+_MODULES: dict[str, str] = {
+    "fedavg": "strategies.fedavg",
+    "supervised-only": "strategies.fedavg",
+}
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """Everything the app needs to run one algorithm (or one switch-variant of it)."""
+
+    name: str
+    paper: str
+    strategy_cls: type
+    config_cls: type | None = None
+    namespace: str = ""                  # run-config namespace of config_cls keys ("scala")
+    overrides: dict[str, Any] = field(default_factory=dict)  # fixed switch values of a variant
+    client: dict[str, ClientHandler] = field(default_factory=dict)  # op -> handler
+    status: str = "implemented"
+    description: str = ""
+
+    def parse_config(self, flat: dict[str, Any]):
+        """The algorithm config from run-config keys under ``namespace``, variant switches applied."""
+        if self.config_cls is None:
+            return None
+        cfg = parse_dataclass(self.config_cls, flat, self.namespace)
+        if self.overrides:
+            cfg = dataclasses.replace(cfg, **self.overrides)
+        return cfg
+
+
+def algorithm_names() -> list[str]:
+    return sorted(_MODULES)
+
+
+def namespaces() -> dict[str, AlgorithmSpec]:
+    """namespace -> one spec using it (to validate keys of every namespace)."""
+    out: dict[str, AlgorithmSpec] = {}
+    for name in _MODULES:
+        spec = get_algorithm(name)
+        if spec.namespace:
+            out.setdefault(spec.namespace, spec)
+    return out
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    if name not in _MODULES:
+        raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())}")
+    module = importlib.import_module(_MODULES[name])
+    return module.ALGORITHMS[name]

