@@ -38,28 +38,12 @@ def hermetic_env(tmp: Path) -> dict[str, str]:
 
 def run_simulation_inprocess(run_config: dict[str, Any], results_dir: Path, num_supernodes: int = 3,
                              run_name: str = "run") -> Path:
-    """Run flower_apps' real ServerApp logic and ClientApp in Flower's simulation engine
-    (Ray backend) in this process; return the run folder."""
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
+    """The app's defaults + ``run_config``, run in Flower's simulation engine in this process."""
+    from flower_apps.simulate import fused_run_config, run_simulation_inprocess as sim
 
-    from flower_apps.client_app import app as client_app
-    from flower_apps.server_app import run
-
-    cfg = {"results-dir": str(results_dir), "run-name": run_name, "round-timeout": 300.0, **run_config}
-    out: dict[str, Path] = {}
-    server = ServerApp()
-
-    @server.main()
-    def _main(grid, context):  # noqa: ANN001
-        out["folder"] = run(grid, cfg)
-
-    run_simulation(server_app=server, client_app=client_app, num_supernodes=num_supernodes,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "logging_level": "ERROR"}})
-    if "folder" not in out:
-        raise RuntimeError("the ServerApp did not finish (see the log above)")
-    return out["folder"]
+    cfg = {**fused_run_config(None), "results-dir": str(results_dir), "run-name": run_name,
+           "round-timeout": 300.0, **run_config}
+    return sim(cfg, num_supernodes)
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
