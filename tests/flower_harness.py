@@ -51,7 +51,7 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
 
 
 def _pids_matching(pattern: str) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     pids = []
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")

@@ -1,0 +1,43 @@
+"""The README's run command through the real `flwr` CLI and a managed local SuperLink."""
+import socket
+
+import pytest
+
+from tests.flower_harness import ROOT, flwr_cli, hermetic_env, read_metrics, stop_local_superlink
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flwr_run_dot_on_the_embedded_default(tmp_path):
+    env = hermetic_env(tmp_path)
+    # a private managed SuperLink on free ports, so a user's own local SuperLink is untouched
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_free_port())
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(_free_port())
+    results = tmp_path / "results"
+    try:
+        proc = flwr_cli(["run", ".", "--stream", "--federation-config", "num-supernodes=3",
+                         "--run-config", f"num-rounds=2 local-steps=10 results-dir='{results}' run-name='cli'"],
+                        env=env, timeout=400, cwd=ROOT)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-3000:]
+        assert "round 2/2 | acc" in out, out[-3000:]
+        rows = read_metrics(results / "cli")
+        assert [r["round"] for r in rows] == [1, 2] and rows[-1]["participants"] == 3
+        assert (results / "cli" / "model.pt").exists() and (results / "cli" / "curves.png").exists()
+        # runtime dependency installation stayed off: no per-run env was created
+        assert not (tmp_path / "flwr-home" / "runtime-envs").exists()
+    finally:
+        stop_local_superlink(env)
+
+
+def test_flwr_run_rejects_unknown_key_before_starting(tmp_path):
+    env = hermetic_env(tmp_path)
+    proc = flwr_cli(["run", ".", "--run-config", "no-such-key=1"], env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0
+    stop_local_superlink(env)
