@@ -133,8 +133,10 @@ class TaskConfig:
     dataset_split: str = knob("", help="use only this split of the source ('' = train/test as shipped)")
     image_key: str = knob("", help="image column ('' = auto)")
     label_key: str = knob("", help="label column ('' = auto)")
-    test_fraction: float = knob(0.2, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
-    partition: str = knob("iid", choices=("iid", "dirichlet", "quantity", "ssfl-r"))
+    test_fraction: float = knob(0.2, lo=0.0, hi=1.0, lo_open=True, hi_open=True,
+                                help="held-out test share when the source has no test split")
+    partition: str = knob("iid", choices=("iid", "dirichlet", "quantity", "ssfl-r"),
+                           help="how client data is spread over the nodes")
     partition_alpha: float = knob(0.5, lo=0.0, lo_open=True, help="Dirichlet concentration")
     partition_classes_per_client: int = knob(2, lo=1, help="quantity skew: classes per client")
     partition_r: float = knob(0.4, lo=0.0, hi=1.0, help="SSFL target non-IID level R")
@@ -144,16 +146,17 @@ class TaskConfig:
     partition_labeled_classes: int = knob(2, lo=1, help="Fed-SHVR labeled classes per client")
     partition_min_size: int = knob(1, lo=0, help="minimum samples per client")
     server_labels: int = knob(0, lo=0, help="N_s class-balanced labeled samples kept on the server")
-    model: str = knob("cnn", choices=("cnn", "mlp", "alexnet", "vgg16", "resnet18", "resnet9", "cnn13"))
+    model: str = knob("cnn", choices=("cnn", "mlp", "alexnet", "vgg16", "resnet18", "resnet9", "cnn13"),
+                       help="model family (tasks/models.py); input shape and classes come from the data")
     cut: str = knob("", help="split-learning cut point ('' = the model's default)")
-    norm: str = knob("bn", choices=("bn", "gn", "none"))
-    dropout: float = knob(0.0, lo=0.0, hi=1.0, hi_open=True)
-    batch_size: int = knob(32, lo=1)
-    local_epochs: int = knob(1, lo=0)
+    norm: str = knob("bn", choices=("bn", "gn", "none"), help="BatchNorm, GroupNorm(32) or none")
+    dropout: float = knob(0.0, lo=0.0, hi=1.0, hi_open=True, help="dropout rate where the model family places it")
+    batch_size: int = knob(32, lo=1, help="local mini-batch size")
+    local_epochs: int = knob(1, lo=0, help="local passes over the node's data per round")
     local_steps: int = knob(0, lo=0, help="> 0 overrides local-epochs with a fixed number of steps")
-    lr: float = knob(0.05, lo=0.0, lo_open=True)
-    momentum: float = knob(0.9, lo=0.0, hi=1.0, hi_open=True)
-    weight_decay: float = knob(0.0, lo=0.0)
+    lr: float = knob(0.05, lo=0.0, lo_open=True, help="SGD learning rate")
+    momentum: float = knob(0.9, lo=0.0, hi=1.0, hi_open=True, help="SGD momentum")
+    weight_decay: float = knob(0.0, lo=0.0, help="SGD weight decay")
     device: str = knob("auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
 
     def validate(self) -> None:
