@@ -1,0 +1,266 @@
+"""The ServerApp side of split learning: :class:`SplitStrategy`, an algorithm-free round.
+
+One round (``run_round``), for ``I = local_iterations()``:
+
+1. sample nodes (seeded, ``fraction-train``); nodes never seen before answer a one-time
+   ``split-info`` query (partition id, ``|D_k|``, label histogram ``n_k``), cached in
+   ``self.info`` (and in checkpoints);
+2. ``begin_round(rnd, nodes)`` (algorithm: batch shares, priors, server copies...);
+3. message 1 per node: the ``bottom`` weights + ``begin_extras(node)`` arrays +
+   ``begin_config(node)`` (e.g. ``split-batch``); the reply carries the streams of step 1;
+4. for ``i = 1..I``: validate every survivor's streams against ``stream_specs(node)``
+   (a bad payload drops that node, nothing is applied), call
+   ``server_iteration(i, {node: streams})`` **once with all survivors** (a barrier) and
+   send each node its gradients in the message that also asks for step ``i+1`` (the last
+   one asks for the final weights instead): ``I + 1`` exchanges per round in total;
+5. ``aggregate(rnd, {node: final envelope})`` (default: ``|D_k|``-weighted mean of the
+   bottoms, BatchNorm buffers included).
+
+Faults: a node whose reply is an error, is missing at the timeout (``round-timeout``
+applies to each exchange), or whose payload fails validation is dropped from the rest of
+the round with a logged warning and listed in the round's ``dropped`` metric; the others
+continue. If fewer than ``min-nodes`` remain, the round is skipped cleanly: the server
+part is restored to its state at the start of the round and nothing is aggregated.
+
+Byte accounting (raw tensor bytes, ``numel * itemsize``; no framing): ``bytes.weights.down``
+/ ``.up`` for the bottoms, ``bytes.<extra_kind(name)>.<dir>`` for extras, and per stream
+``bytes.<stream_kind(name, dir)>.<dir>`` -- by default ``labels`` for a stream named
+``labels``, ``activations`` for other uploads and ``gradients`` for downloads;
+``bytes.histogram.up`` for the one-time label histograms. Timing: ``split-exchanges`` and
+``split-exchange-seconds`` (wall time spent in the fused exchanges, client compute included).
+
+The transport is :class:`split_layer.transport.FlowerTransport` unless ``make_transport``
+is overridden: algorithms never touch the grid.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from logging import WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from strategies.base import SSLStrategy
+from tasks.aggregate import weighted_mean
+
+from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
+from .transport import Envelope, FlowerTransport, Transport
+from .validation import SplitValidationError, TensorSpec, check_streams
+
+__all__ = ["SplitStrategy", "nbytes"]
+
+
+def nbytes(d: dict[str, np.ndarray]) -> int:
+    """Raw tensor bytes of a dict of arrays."""
+    return int(sum(np.asarray(v).nbytes for v in d.values()))
+
+
+class SplitStrategy(SSLStrategy):
+    """Algorithm-free split-learning round over a :class:`Transport` (see module docstring).
+
+    Subclasses override the hooks: ``local_iterations``, ``begin_round``, ``begin_config``,
+    ``begin_extras``, ``stream_specs``, ``server_iteration``, ``aggregate``, and for the
+    server part's rollback ``server_snapshot``/``server_restore``.
+    """
+
+    def setup_algorithm(self) -> None:
+        self.cut = resolve_cut(self.model, self.task.cut)
+        self.bottom, self.top = split_model(self.model, self.cut)
+        self.info: dict[int, dict[str, Any]] = {}
+        with torch.no_grad():
+            was = self.model.training
+            self.model.eval()
+            x = torch.zeros(1, self.env.bundle.in_channels, self.env.bundle.image_size,
+                            self.env.bundle.image_size, device=self.env.device)
+            self.act_shape = tuple(self.bottom(x).shape[1:])
+            self.model.train(was)
+        self.setup_split()
+
+    def setup_split(self) -> None:
+        """Hook: server optimizer, extra models."""
+
+    # ------------------------------------------------------------------ hooks
+    def local_iterations(self) -> int:
+        raise NotImplementedError
+
+    def make_transport(self, grid: Grid) -> Transport:
+        return FlowerTransport(self, grid)
+
+    def begin_round(self, server_round: int, nodes: list[int]) -> None:
+        self.round_batch = {n: self.task.batch_size for n in nodes}
+
+    def begin_config(self, node: int) -> dict[str, Any]:
+        return {"split-batch": int(self.round_batch[node])}
+
+    def begin_extras(self, node: int) -> dict[str, dict[str, np.ndarray]]:
+        return {}
+
+    def extra_kind(self, name: str) -> str:
+        return "weights"
+
+    def stream_kind(self, name: str, direction: str) -> str:
+        if name == "labels":
+            return "labels"
+        return "activations" if direction == "up" else "gradients"
+
+    def stream_specs(self, node: int) -> dict[str, TensorSpec]:
+        b = int(self.round_batch[node])
+        return {"act": TensorSpec((b, *self.act_shape), "float32"),
+                "labels": TensorSpec((b,), "int64", 0, self.env.num_classes)}
+
+    def server_iteration(self, step: int, payloads: dict[int, dict[str, torch.Tensor]]
+                         ) -> dict[int, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def aggregate(self, server_round: int, finals: dict[int, Envelope]) -> dict[str, Any]:
+        self.aggregate_bottoms(finals)
+        return {}
+
+    def server_snapshot(self) -> Any:
+        """State of the server part to restore if the round is skipped."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def server_restore(self, snap: Any) -> None:
+        self.model.load_state_dict(snap)
+
+    # ------------------------------------------------------------------ helpers
+    def order(self, nodes) -> list[int]:
+        """Nodes in partition order (the concatenation / sequential order)."""
+        return sorted(nodes, key=lambda n: (self.info[n]["partition"], n))
+
+    def num_examples(self, node: int) -> int:
+        return int(self.info[node]["n"])
+
+    def histogram(self, node: int) -> np.ndarray:
+        return self.info[node]["hist"]
+
+    def bottom_numpy(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy().copy() for k, v in bottom_state(self.model, self.cut).items()}
+
+    def aggregate_bottoms(self, finals: dict[int, Envelope]) -> None:
+        nodes = self.order(finals)
+        new = weighted_mean([finals[n].arrays["bottom"] for n in nodes],
+                            [float(self.num_examples(n)) for n in nodes])
+        load_bottom_state(self.model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()},
+                          self.cut)
+
+    def _drop(self, node: int, why: str) -> None:
+        log(WARNING, "node %s dropped from round: %s", node, why)
+        self.dropped.append(node)
+
+    def fetch_info(self, transport: Transport, server_round: int, nodes: list[int]) -> None:
+        todo = [n for n in nodes if n not in self.info]
+        if not todo:
+            return
+        replies = transport.exchange(server_round, "split-info", {n: Envelope() for n in todo})
+        for n, env in replies.items():
+            hist = np.asarray(env.tensors.get("histogram", np.zeros(0)), dtype=np.int64)
+            if hist.shape != (self.env.num_classes,) or (hist < 0).any():
+                self._drop(n, f"bad label histogram of shape {hist.shape}")
+                continue
+            self.meter.add("histogram", "up", hist.nbytes)
+            self.info[n] = {"partition": int(env.config["partition-id"]), "n": int(env.config["num-examples"]),
+                            "hist": hist}
+
+    # ------------------------------------------------------------------ the round
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        transport = self.make_transport(grid)
+        sampled = self.sample_nodes(grid, server_round)
+        self.fetch_info(transport, server_round, sampled)
+        alive = self.order([n for n in sampled if n in self.info])
+        out: dict[str, Any] = {"sampled": len(sampled)}
+        if len(alive) < self.policy.min_nodes:
+            return self._skip(server_round, out, alive, None)
+        snap = self.server_snapshot()
+        self.begin_round(server_round, alive)
+        iters = self.local_iterations()
+        bottom = self.bottom_numpy()
+        msgs: dict[int, Envelope] = {}
+        for n in alive:
+            extras = self.begin_extras(n)
+            msgs[n] = Envelope(arrays={"bottom": bottom, **extras},
+                               config={"split-step": 1, "split-iters": iters, **self.begin_config(n)})
+            self.meter.add("weights", "down", nbytes(bottom))
+            for name, sd in extras.items():
+                self.meter.add(self.extra_kind(name), "down", nbytes(sd))
+        finals: dict[int, Envelope] = {}
+        for step in range(1, iters + 2):
+            t0 = time.perf_counter()
+            replies = transport.exchange(server_round, "split", msgs)
+            out["split-exchanges"] = out.get("split-exchanges", 0) + 1
+            out["split-exchange-seconds"] = out.get("split-exchange-seconds", 0.0) + time.perf_counter() - t0
+            good: dict[int, Envelope] = {}
+            for n in alive:
+                if n not in replies:
+                    continue  # already logged and recorded by the transport
+                env = replies[n]
+                try:
+                    if step <= iters:
+                        check_streams(env.tensors, self.stream_specs(n), f"node {n}, step {step}")
+                    elif "bottom" not in env.arrays:
+                        raise SplitValidationError(f"node {n}: final reply has no 'bottom' weights")
+                    else:
+                        ref = self.bottom_numpy()  # 0-d buffers travel as shape (1,): restore shapes
+                        env.arrays["bottom"] = {
+                            k: (np.reshape(v, ref[k].shape) if k in ref and np.size(v) == np.size(ref[k]) else v)
+                            for k, v in env.arrays["bottom"].items()}
+                        check_streams(env.arrays["bottom"], {k: TensorSpec(v.shape, str(v.dtype))
+                                                             for k, v in ref.items()}, f"node {n}, final bottom")
+                except SplitValidationError as e:
+                    self._drop(n, str(e))
+                    continue
+                good[n] = env
+            alive = [n for n in alive if n in good]
+            if len(alive) < self.policy.min_nodes:
+                return self._skip(server_round, out, alive, snap)
+            if step > iters:
+                finals = good
+                break
+            payloads = {}
+            for n in alive:
+                payloads[n] = {k: torch.from_numpy(np.array(v)) for k, v in good[n].tensors.items()}
+                for k, v in good[n].tensors.items():
+                    self.meter.add(self.stream_kind(k, "up"), "up", v.nbytes)
+            grads = self.server_iteration(step, payloads)
+            msgs = {}
+            for n in alive:
+                g = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in grads[n].items()}
+                for k, v in g.items():
+                    self.meter.add(self.stream_kind(k, "down"), "down", v.nbytes)
+                msgs[n] = Envelope(tensors=g, config={"split-step": step + 1, "split-iters": iters})
+        for n, env in finals.items():
+            self.meter.add("weights", "up", nbytes(env.arrays["bottom"]))
+            for name, sd in env.arrays.items():
+                if name != "bottom":
+                    self.meter.add(self.extra_kind(name), "up", nbytes(sd))
+        out["participants"] = len(finals)
+        ex = [float(f.metrics.get("num-examples", 0.0)) for f in finals.values()]
+        out["num-examples"] = float(sum(ex))
+        out.update(self.aggregate(server_round, finals))
+        return out
+
+    def _skip(self, server_round: int, out: dict[str, Any], alive: list[int], snap: Any) -> dict[str, Any]:
+        if snap is not None:
+            self.server_restore(snap)
+        log(WARNING, "round %s skipped: %s usable node(s) < min-nodes=%s; server part restored", server_round,
+            len(alive), self.policy.min_nodes)
+        out.update({"participants": len(alive), "skipped": 1})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        return {"info": copy.deepcopy(self.info), **self.split_extra_state()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.info = dict(state.get("info", {}))
+        self.load_split_extra_state(state)
+
+    def split_extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_split_extra_state(self, state: dict[str, Any]) -> None:
+        pass

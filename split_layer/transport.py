@@ -1,0 +1,178 @@
+"""The transport between the split runtime and the nodes.
+
+Algorithms and the runtime speak :class:`Envelope` s (named tensors, named state dicts,
+a small config, reply metrics) through a :class:`Transport`: one call = one exchange
+(one message to each addressed node, one reply back, failures dropped). A faster channel
+(a gRPC stream, issue 9) replaces :class:`FlowerTransport` without touching algorithms.
+
+* :class:`FlowerTransport` -- Flower messages (``query`` messages with ``config.op``),
+  pushed and polled by :meth:`strategies.base.SSLStrategy.exchange` (fault handling:
+  error replies and timeouts drop the node and land in the round's ``dropped``).
+* :func:`envelope_from_message` / :func:`reply` -- the same encoding on the ClientApp side.
+* :class:`LocalGrid` -- a Flower ``Grid`` look-alike that runs the ClientApp handler in
+  this process (no Ray, no SuperLink): used by the unit tests and by
+  ``bench/split_overhead.py`` to time the same rounds without Flower's runtime.
+
+Record layout of a split message (all optional):
+``split-tensors`` (ArrayRecord: the streams), ``split-arrays.<name>`` (ArrayRecord: a named
+state dict, e.g. ``bottom``), ``config`` (ConfigRecord, with ``op``/``server-round`` from the
+base strategy plus the envelope's config), ``metrics`` (MetricRecord, replies).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+
+__all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_from_message", "reply",
+           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLIT_CONFIG_KEY"]
+
+TENSORS_KEY = "split-tensors"
+ARRAYS_PREFIX = "split-arrays."
+SPLIT_CONFIG_KEY = "split-config"   # reply-side config (strings etc.)
+_CONFIG_KEY = "config"
+_METRICS_KEY = "metrics"
+
+
+@dataclass
+class Envelope:
+    """One message's split payload, transport-independent."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    arrays: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(ABC):
+    """One call of :meth:`exchange` is one round trip to each addressed node."""
+
+    @abstractmethod
+    def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
+        """Deliver ``out[node]`` to each node (handler ``op``); return the replies that arrived.
+
+        Nodes that fail (error reply, timeout) are absent from the result; the transport
+        records them as dropped and logs why.
+        """
+
+
+def _np_record(d: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in d.items()})
+
+
+def _rec_np(rec: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: rec[k].numpy() for k in rec.keys()}
+
+
+def _fill(content: RecordDict, env: Envelope) -> RecordDict:
+    if env.tensors:
+        content[TENSORS_KEY] = _np_record(env.tensors)
+    for name, sd in env.arrays.items():
+        content[ARRAYS_PREFIX + name] = _np_record(sd)
+    return content
+
+
+def envelope_from_message(msg: Message) -> Envelope:
+    """Decode a split message (either direction) into an :class:`Envelope`."""
+    c = msg.content
+    env = Envelope()
+    if TENSORS_KEY in c.array_records:
+        env.tensors = _rec_np(c.array_records[TENSORS_KEY])
+    for k in c.array_records.keys():
+        if k.startswith(ARRAYS_PREFIX):
+            env.arrays[k[len(ARRAYS_PREFIX):]] = _rec_np(c.array_records[k])
+    for key in (_CONFIG_KEY, SPLIT_CONFIG_KEY):
+        if key in c.config_records:
+            env.config.update(dict(c.config_records[key]))
+    if _METRICS_KEY in c.metric_records:
+        env.metrics = dict(c.metric_records[_METRICS_KEY])
+    return env
+
+
+def reply(msg: Message, env: Envelope) -> Message:
+    """The ClientApp's reply to ``msg`` carrying ``env``."""
+    content = _fill(RecordDict(), env)
+    if env.config:
+        content[SPLIT_CONFIG_KEY] = ConfigRecord(env.config)
+    if env.metrics:
+        content[_METRICS_KEY] = MetricRecord(env.metrics)
+    return Message(content, reply_to=msg)
+
+
+class FlowerTransport(Transport):
+    """Flower messages through ``strategy.exchange`` (seeded, fault-tolerant push/poll)."""
+
+    def __init__(self, strategy, grid) -> None:  # strategy: strategies.base.SSLStrategy
+        self.strategy, self.grid = strategy, grid
+
+    def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
+        msgs = []
+        for node, env in out.items():
+            content = _fill(self.strategy.base_content(server_round, op=op, **env.config), env)
+            msgs.append(Message(content, dst_node_id=node, message_type="query", group_id=str(server_round)))
+        replies = self.strategy.exchange(self.grid, msgs)
+        return {r.metadata.src_node_id: envelope_from_message(r) for r in replies}
+
+
+class LocalGrid:
+    """A minimal in-process stand-in for Flower's ``Grid`` (tests and benchmarks).
+
+    ``push_messages`` runs ``handler(msg, context)`` at once for each message with that
+    node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
+    like the simulation engine); an exception becomes an error reply, as in Flower.
+    ``fail_nodes`` makes the listed nodes never answer (to test timeouts).
+    """
+
+    def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
+                 run_config: dict | None = None, first_node_id: int = 1001) -> None:
+        from flwr.app import RecordDict as _RD
+        from flwr.supercore.task_identity import TaskIdentity
+
+        for attr, val in (("run_id", 1), ("node_id", 1), ("task_id", 1)):
+            try:
+                getattr(TaskIdentity, attr)
+            except RuntimeError:
+                setattr(TaskIdentity, attr, val)
+        self.handler = handler
+        self.contexts = {
+            first_node_id + i: Context(run_id=1, node_id=first_node_id + i,
+                                       node_config={"partition-id": i, "num-partitions": num_nodes},
+                                       state=_RD(), run_config=dict(run_config or {}))
+            for i in range(num_nodes)}
+        self.fail_nodes: set[int] = set()
+        self._replies: dict[str, Message] = {}
+        self.pushed = 0
+
+    def get_node_ids(self) -> list[int]:
+        return sorted(self.contexts)
+
+    def push_messages(self, messages) -> list[str]:
+        ids = []
+        for m in messages:
+            mid = str(uuid.uuid4())
+            m.metadata.__dict__["_message_id"] = mid
+            ids.append(mid)
+            self.pushed += 1
+            node = m.metadata.dst_node_id
+            if node in self.fail_nodes:
+                continue
+            try:
+                r = self.handler(m, self.contexts[node])
+            except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
+                r = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)
+            self._replies[mid] = r
+        return ids
+
+    def pull_messages(self, message_ids) -> list[Message]:
+        out = [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+        return out
+
+    def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
+        ids = self.push_messages(messages)
+        time.sleep(0)
+        return self.pull_messages(ids)

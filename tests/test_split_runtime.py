@@ -1,0 +1,142 @@
+"""The split runtime: byte accounting, faults, validation, protocol (in-process LocalGrid + one e2e)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+from flower_apps.client_app import dispatch
+from flower_apps.config import parse_run_config
+from flower_apps.simulate import fused_run_config
+from split_layer.cut import bottom_state
+from split_layer.transport import TENSORS_KEY, LocalGrid
+from split_layer.validation import SplitValidationError, TensorSpec, check_streams, check_tensor
+from split_layer.worker import step_batch
+from strategies.base import RoundPolicy
+from strategies.scala import ScalaStrategy
+
+I = 2
+
+
+def _parsed(extra=""):
+    return parse_run_config(fused_run_config([
+        f"algo='scala' model='cnn' norm='bn' scala.local-iterations={I} scala.total-batch=30 seed=5 {extra}"]))
+
+
+def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None):
+    p = _parsed(extra)
+    grid = LocalGrid(3, handler)
+    s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name,
+                                              RoundPolicy(min_nodes=min_nodes, round_timeout=30))
+    rows = []
+    s.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
+    return s, grid, rows
+
+
+def analytic_bytes(s, batch_sizes: list[int], iters: int) -> dict[str, int]:
+    """scala.md Sec. 2: activations x I + bottom model per participating client (+ labels, gradients)."""
+    act = int(np.prod(s.act_shape)) * 4
+    bottom = sum(v.numel() * v.element_size() for v in bottom_state(s.model, s.cut).values())
+    n = len(batch_sizes)
+    return {"bytes.activations.up": iters * sum(batch_sizes) * act, "bytes.gradients.down": iters * sum(batch_sizes) * act,
+            "bytes.labels.up": iters * sum(batch_sizes) * 8, "bytes.weights.down": n * bottom,
+            "bytes.weights.up": n * bottom}
+
+
+def test_bytes_equal_analytic_count():
+    s, grid, rows = _run()
+    r = rows[0]
+    assert r["participants"] == 3 and sum(r["batch-sizes"]) == 30
+    want = analytic_bytes(s, r["batch-sizes"], I)
+    assert {k: r[k] for k in want} == want
+    assert r["bytes.histogram.up"] == 3 * 10 * 8       # one-time label histograms
+    assert r["bytes.total"] == sum(want.values()) + r["bytes.histogram.up"]
+    assert grid.pushed == 3 + 3 * (I + 1)              # info + (I + 1) fused exchanges per node
+
+
+def test_one_of_three_fails_mid_round_and_round_finishes():
+    s, grid, rows = _run("scala.fault-partition=1 scala.fault-step=2")
+    r = rows[0]
+    failed = [n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 1]
+    assert r["dropped"] == failed and r["participants"] == 2 and "skipped" not in r
+    assert len(r["batch-sizes"]) == 2 and np.isfinite(r["accuracy"])
+
+
+def test_too_few_left_skips_cleanly_and_restores_server_part():
+    s, grid, rows = _run("scala.fault-partition=1 scala.fault-step=2", min_nodes=3)
+    assert rows[0]["skipped"] == 1 and rows[0]["participants"] == 2 and len(rows[0]["dropped"]) == 1
+    fresh = s.env.build_model().state_dict()     # same seeded init: nothing was applied
+    assert all(torch.equal(fresh[k], v) for k, v in s.model.state_dict().items())
+
+
+class _NaNGradients(ScalaStrategy):
+    def server_iteration(self, step, payloads):
+        out = super().server_iteration(step, payloads)
+        if step != 1:
+            return out
+        first = self.order(payloads)[0]
+        out[first]["act"] = out[first]["act"].clone()
+        out[first]["act"][0, 0] = float("nan")
+        return out
+
+
+def test_client_rejects_nan_gradient_and_server_drops_it():
+    s, grid, rows = _run(strategy_cls=_NaNGradients)
+    p0 = [n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 0]
+    assert rows[0]["dropped"] == p0 and rows[0]["participants"] == 2
+
+
+def test_server_rejects_bad_activations():
+    def corrupting(msg, ctx):
+        r = dispatch(msg, ctx)
+        if ctx.node_config["partition-id"] == 2 and TENSORS_KEY in r.content.array_records:
+            rec = r.content.array_records[TENSORS_KEY]
+            act = rec["act"].numpy().copy()
+            act[0] = np.inf
+            r.content[TENSORS_KEY] = ArrayRecord({"act": Array(act), "labels": Array(rec["labels"].numpy())})
+        return r
+
+    s, grid, rows = _run(handler=corrupting)
+    p2 = [n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 2]
+    assert rows[0]["dropped"] == p2 and rows[0]["participants"] == 2
+
+
+def test_validation_messages():
+    spec = TensorSpec((2, 3), "float32")
+    check_tensor("act", np.zeros((2, 3), np.float32), spec)
+    for bad, needle in ((np.zeros((2, 4), np.float32), "shape"), (np.zeros((2, 3), np.float64), "dtype"),
+                        (np.full((2, 3), np.nan, np.float32), "NaN/Inf")):
+        with pytest.raises(SplitValidationError, match=needle):
+            check_tensor("act", bad, spec, "node 7")
+    with pytest.raises(SplitValidationError, match="outside"):
+        check_tensor("labels", np.array([0, 10]), TensorSpec((2,), "int64", 0, 10))
+    with pytest.raises(SplitValidationError, match="missing streams"):
+        check_streams({"act": np.zeros((2, 3), np.float32)}, {"act": spec, "labels": TensorSpec((2,), "int64")})
+
+
+def test_step_batch_cursor():
+    b = [step_batch(10, 4, s, 123) for s in (1, 2, 3, 4, 5)]
+    assert torch.equal(b[0], step_batch(10, 4, 1, 123))                    # recomputable
+    first_epoch = torch.cat(b)[:10]
+    assert sorted(first_epoch.tolist()) == list(range(10))                 # each sample once per epoch
+    assert all(len(x) == 4 for x in b)
+
+
+@pytest.mark.e2e
+def test_fault_through_simulation_engine(tmp_path, monkeypatch):
+    """One of three SuperNodes raises mid-round in Flower's simulation engine; the run finishes."""
+    from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+
+    for k, v in hermetic_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cfg = {"algo": "scala", "num-rounds": 2, "scala.local-iterations": 2, "scala.total-batch": 30,
+           "scala.fault-partition": 1, "scala.fault-step": 2, "seed": 2}
+    rows = read_metrics(run_simulation_inprocess(cfg, tmp_path / "results", 3, "fault"))
+    assert [r["round"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["participants"] == 2 and len(r["dropped"]) == 1 and not r.get("skipped")
+        assert len(r["batch-sizes"]) == 2 and r["bytes.weights.up"] > 0
