@@ -1,0 +1,804 @@
+"""UM-pFSSL: personalized federated semi-supervised learning with uncertainty-selected helpers.
+
+Paper: Y. Shi, S. Chen, H. Zhang, "Uncertainty Minimization for Personalized Federated
+Semi-Supervised Learning" (spec: ``specs/umpfssl.md``). Baselines of the paper, as switches
+of this module: ``fixavg`` (FedAvg + FixMatch), ``fixprox`` (FedProx + FixMatch),
+``fedper-fix`` (FedPer: shared body, local head, + FixMatch) and ``local-only`` (no weight
+exchange at all). Every variant is evaluated the same way: each client's model on that
+client's own test split; the run's ``accuracy`` is the mean over clients and
+``client-accuracy-var`` their variance (the paper's fairness measure).
+
+Setting
+-------
+Client k holds labeled D_k^s and unlabeled D_k^u (``label_mode="dir2"``: per-class
+Dirichlet over clients, then ``(p_s, p_u) ~ Dir_2(partition-labeled-alpha)`` per client;
+matched per-client test splits), ``mu_k = |D_k^s| / (|D_k^s| + |D_k^u|)``.
+The server trains nothing: it is a **versioned model pool** (each client's latest upload,
+stamped with the round it was uploaded in; 0 = warm-up), plus the older versions that some
+helper list still references. Each client keeps a **helper list** H_k of at most M members,
+self included, as ids and versions in ``context.state`` (no weights: a cached copy is
+fetched again from the pool whenever it is needed).
+
+Math (MC-dropout, Eqs. 9-14)
+----------------------------
+* ``P_j(y|x) = 1/T sum_t softmax(f_{w_j, mask_t}(x))``, ``H_j(x) = -sum_c P_c log P_c``
+  (``tasks.losses.mc_dropout_predict``: dropout on, BatchNorm in eval mode).
+* ``Hbar(k|j) = mean_{x in D_k^u} H_j(x) / log C``, clamped ``>= entropy-floor`` ([R]: the
+  paper sums over x; the mean keeps Hbar in [0, 1] as its Section 5 assumes).
+* ``Corr(k|j) = (1 - mu_k) / Hbar(k|j) + mu_k * Acc(D_k^s; argmax P_j)``; the first term is
+  0 when D_k^u is empty, the second when D_k^s is empty; floored at ``CORR_FLOOR`` so the
+  aggregation weights are defined when every term is 0.
+* Aggregation: ``w_k <- sum_{j in H_k} Corr(k|j) w_j / sum_j Corr(k|j)``
+  (``tasks.aggregate.personalized_weighted``; self with its current weights).
+* Pseudo-labels: ``yhat(x) = P_{j*}(y|x)``, ``j* = argmin_{j in H_k} H_j(x)`` (soft), with
+  self = the freshly aggregated w_k (spec ambiguity 4).
+* Local training, E epochs: one pass over labeled batches with ``mu_k * CE`` then one pass
+  over unlabeled batches with ``(1 - mu_k) * KL(yhat || f_{w_k}(x))``
+  (``tasks.losses.kl_to_target``), weak augmentation, dropout on.
+
+Rounds
+------
+Before round 1 every client trains ``warmup-epochs`` of CE on D_k^s from the common w_0 and
+uploads (``op="warmup"``). Round t, for each sampled client k:
+
+1. ``query`` op ``"select"`` (only when k has something to select this round). The server
+   sends the pool directory (ids, latest versions), k's list as the server knows it, and the
+   **candidate models** it drew uniformly at random from the pool minus H_k (seeded):
+   *fill* ``M - |H_k|`` of them, and *replace* ``R`` more while ``t <= search-rounds`` (F).
+   The client scores them (Corr), adds the fill models, then swaps replace candidates in for
+   the R lowest-Corr non-self members, greedily best candidate vs worst member, while the
+   candidate's Corr is higher. If ``t mod nu == 0`` (``update-period``) it ranks the new list
+   and asks for the latest pool version of every non-self member that is not among the R
+   lowest and whose pool copy changed. Corr of members it already holds is read from its
+   state (computed at its last participation on exactly those cached versions: the models
+   and its data have not changed since). Reply config: ``helper-ids``, ``helper-versions``
+   (requested), ``refresh-ids``, ``swaps``; no weights.
+2. ``train``: the server sends ``arrays`` = k's own pool model, and ``helper.<id>`` = each
+   helper at the listed version. The client recomputes Corr for every member (spec
+   ambiguity 7), aggregates, pseudo-labels, trains, stores its list (ids, versions, Corr) in
+   ``context.state["umpfssl.helpers"]`` and replies ``arrays`` (its model: the pool's new
+   version of k, stamped t), ``config`` (``helper-ids``, ``helper-versions``) and
+   ``metrics`` (``num-examples``, ``train-loss``, ``mu``, ``partition-id``, ...).
+
+Bytes and the paper's cost model
+--------------------------------
+Cost2 = (M n/nu + n + F R) K_bar |w| (Eq. 27) counts, per sampled client, R candidate
+downloads in each of the first F rounds, up to M refreshed helpers every nu rounds, and one
+upload per round. We count transfers by reason (``transfers.<reason>``) and bytes by kind:
+
+* ``helper-weights`` down: a helper version reaching the client for the first time under
+  the paper's cache semantics: *fill* and *replace* candidates (in ``select``) and
+  *refresh* downloads (in ``train``). ``weights`` up: uploads (``transfers.upload``).
+  ``transfers.replace + transfers.refresh + transfers.upload`` is what Cost2 bounds.
+* Not in Cost2 and reported separately: ``transfers.fill`` (the paper's cost model omits the
+  initial fill, at most K(M-1) per run) and ``transfers.warmup-upload`` (K, once).
+* ``own-weights`` and ``helper-cache`` down: the client's own model and the helpers it
+  already holds, re-sent each participation because we keep no weights in
+  ``context.state``. The paper's client caches them locally, so these are implementation
+  overhead, not part of its cost. ``eval-weights`` down: models sent for per-client test
+  evaluation (``eval-every`` rounds).
+
+Baseline client contract (``train``): ``fixavg``/``fixprox`` receive ``arrays`` (global
+model) and reply ``arrays``; ``fedper-fix`` receives and replies only the body (every key
+outside the ``head`` stage; the head stays in ``context.state["umpfssl.head"]``);
+``local-only`` receives no weights and keeps its model in ``context.state["umpfssl.model"]``.
+``evaluate`` messages (``config.op="client-eval"``) carry what the client needs to rebuild
+its model (nothing for ``local-only``) and the reply carries ``accuracy`` and ``num-examples``
+on the client's test split.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from tasks.aggregate import personalized_weighted, weighted_mean
+from tasks.config import ConfigError, knob
+from tasks.losses import kl_to_target, mc_dropout_predict
+
+from .base import SSLStrategy
+from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, Env, batch_indices, client_env,
+                     derive_seed, evaluate, load_numpy_state, make_sgd, model_to_record,
+                     num_local_steps, numpy_to_record, record_to_numpy, to_device_batch,
+                     train_fixmatch, train_supervised)
+from .registry import AlgorithmSpec
+
+NS = "umpfssl"
+MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local")
+CORR_FLOOR = 1e-6
+STATE_HELPERS = "umpfssl.helpers"   # ConfigRecord: ids, versions, corr (non-self members)
+STATE_HEAD = "umpfssl.head"         # ArrayRecord: FedPer's local head
+STATE_MODEL = "umpfssl.model"       # ArrayRecord: local-only's model
+
+
+@dataclass(frozen=True)
+class UMPFSSLConfig:
+    """UM-pFSSL knobs (``umpfssl.*``); defaults from the paper / spec §5."""
+
+    mode: str = knob("umpfssl", choices=MODES, help="set by the algorithm name; baselines are switches")
+    helpers: int = knob(5, lo=1, help="helper-list size M, self included")
+    replace: int = knob(2, lo=0, help="helpers replaced per round R (first F rounds)")
+    search_rounds: int = knob(20, lo=0, help="F: replacement runs in rounds 1..F")
+    update_period: int = knob(10, lo=1, help="nu: refresh changed helpers when round mod nu == 0")
+    mc_samples: int = knob(10, lo=1, help="MC-dropout passes T_mc")
+    entropy_floor: float = knob(1e-3, lo=0.0, lo_open=True, help="clamp of the normalised entropy Hbar")
+    warmup_epochs: int = knob(5, lo=0, help="supervised CE epochs on D_k^s before round 1")
+    eval_every: int = knob(1, lo=1, help="per-client test evaluation every this many rounds (and the last)")
+    fixmatch_tau: float = knob(0.95, lo=0.0, hi=1.0, help="FixMatch confidence threshold (baselines)")
+    fixmatch_lambda_u: float = knob(1.0, lo=0.0, help="FixMatch unlabeled-loss weight (baselines)")
+    fixmatch_uratio: int = knob(1, lo=1, help="FixMatch unlabeled batch = uratio x batch-size (baselines)")
+    prox_mu: float = knob(0.01, lo=0.0, help="FedProx proximal weight (fixprox)")
+
+    def validate(self) -> None:
+        if self.replace > self.helpers - 1:
+            raise ConfigError(f"{NS}.replace={self.replace} must be <= {NS}.helpers - 1 = {self.helpers - 1} "
+                              "(self is never replaced)")
+
+
+# =============================================================================== pure math
+def normalized_entropy(entropies: torch.Tensor, num_classes: int, floor: float = 1e-3) -> float:
+    """``Hbar = mean(H) / log C`` clamped ``>= floor`` (Eq. 14 with the [R] per-sample mean)."""
+    if entropies.numel() == 0:
+        raise ValueError("normalized_entropy needs at least one entropy value")
+    return max(float(entropies.mean()) / math.log(num_classes), floor)
+
+
+def relation_score(mu: float, entropies_u: torch.Tensor | None, probs_l: torch.Tensor | None,
+                   labels_l: torch.Tensor | None, num_classes: int, floor: float = 1e-3) -> float:
+    """``Corr(k|j) = (1 - mu_k) / Hbar + mu_k * Acc`` (Eq. 13) with the spec §3 edge cases.
+
+    ``entropies_u``: helper j's MC entropies on D_k^u (None/empty: first term 0);
+    ``probs_l``/``labels_l``: its MC mean on D_k^s and the labels (None/empty: second term 0).
+    Floored at ``CORR_FLOOR`` so that a list of all-zero scores still has weights.
+    """
+    corr = 0.0
+    if entropies_u is not None and entropies_u.numel() > 0:
+        corr += (1.0 - mu) / normalized_entropy(entropies_u, num_classes, floor)
+    if probs_l is not None and probs_l.shape[0] > 0:
+        acc = float((probs_l.argmax(1) == labels_l).float().mean())
+        corr += mu * acc
+    return max(corr, CORR_FLOOR)
+
+
+def select_pseudo_labels(probs: Sequence[torch.Tensor], entropies: Sequence[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 11: per sample, the MC mean of the helper with the lowest MC entropy.
+
+    ``probs[j]`` is ``[N, C]`` and ``entropies[j]`` is ``[N]`` for helper j. Returns
+    ``(yhat [N, C], j* [N])``; ties go to the first helper.
+    """
+    H = torch.stack(list(entropies))            # [M, N]
+    P = torch.stack(list(probs))                # [M, N, C]
+    choice = H.argmin(dim=0)                    # [N]
+    yhat = P[choice, torch.arange(P.shape[1])]
+    return yhat, choice
+
+
+def replace_helpers(members: list[tuple[int, int, float]], candidates: list[tuple[int, int, float]],
+                    R: int) -> tuple[list[tuple[int, int, float]], int]:
+    """REPLACEHELPER (Alg. 2) with the [R] greedy matching: best candidate vs worst member.
+
+    ``members``: non-self ``(id, version, corr)``; ``candidates`` likewise. Re = the R members
+    with the lowest Corr; candidates sorted by Corr descending are paired with Re sorted
+    ascending, and a pair swaps while the candidate's Corr is strictly higher. Returns the new
+    member list (order kept, swapped-in candidates take the slot) and the number of swaps.
+    """
+    if R <= 0 or not candidates or not members:
+        return list(members), 0
+    order = sorted(range(len(members)), key=lambda i: (members[i][2], i))[:R]     # worst first
+    cands = sorted(candidates, key=lambda c: (-c[2], c[0]))                      # best first
+    out, swaps = list(members), 0
+    for slot, cand in zip(order, cands):
+        if cand[2] > out[slot][2]:
+            out[slot] = cand
+            swaps += 1
+        else:
+            break  # later candidates are worse and later members better: no further swap
+    return out, swaps
+
+
+def refresh_ids(members: list[tuple[int, int, float]], latest: dict[int, int], R: int) -> list[int]:
+    """UPDATEHELPER (Alg. 2): ids of non-self members outside the R lowest Corr whose pool
+    version is newer than the cached one (self is always current: see module docstring)."""
+    lowest = set(sorted(range(len(members)), key=lambda i: (members[i][2], i))[:R])
+    return [m[0] for i, m in enumerate(members) if i not in lowest and latest.get(m[0], m[1]) > m[1]]
+
+
+def cost2(M: int, n: int, nu: int, F: int, R: int, k_bar: float) -> float:
+    """Eq. 27 in model transfers: ``(M n / nu + n + F R) K_bar``."""
+    return (M * n / nu + n + F * R) * k_bar
+
+
+# =============================================================================== client side
+def _algo_cfg(msg: Message) -> UMPFSSLConfig:
+    from tasks.config import parse_dataclass
+    return parse_dataclass(UMPFSSLConfig, dict(msg.content.config_records[ALGO_KEY]), "", strict=False)
+
+
+def _env(msg: Message, context: Context) -> Env:
+    return client_env(msg, context, label_mode="dir2", with_test=True)
+
+
+def _tensors(env: Env, data) -> tuple[torch.Tensor, torch.Tensor]:
+    x = env.augmenter.test(torch.from_numpy(data.x).to(env.device))
+    return x, torch.from_numpy(data.y).to(env.device)
+
+
+def _load(env: Env, rec: ArrayRecord) -> torch.nn.Module:
+    model = env.build_model()
+    load_numpy_state(model, record_to_numpy(rec))
+    return model
+
+
+class _Scorer:
+    """MC-dropout predictions and Corr of models on one client's data."""
+
+    def __init__(self, env: Env, cfg: UMPFSSLConfig, seed: int) -> None:
+        self.env, self.cfg, self.seed = env, cfg, seed
+        lab, unl = env.labeled(), env.unlabeled()
+        self.mu = len(lab) / max(len(lab) + len(unl), 1)
+        self.xl, self.yl = _tensors(env, lab)
+        self.xu, self.yu = _tensors(env, unl)
+
+    def predict(self, model: torch.nn.Module, x: torch.Tensor, tag: Any):
+        if x.shape[0] == 0:
+            return None, None
+        torch.manual_seed(derive_seed(self.seed, "mc", tag))
+        with torch.no_grad():
+            return mc_dropout_predict(model, x, self.cfg.mc_samples, batch_size=500)
+
+    def score(self, model: torch.nn.Module, tag: Any) -> tuple[float, Any, Any]:
+        pu, hu = self.predict(model, self.xu, ("u", tag))
+        pl, _ = self.predict(model, self.xl, ("l", tag))
+        corr = relation_score(self.mu, hu, pl, self.yl, self.env.num_classes, self.cfg.entropy_floor)
+        return corr, pu, hu
+
+
+def _read_helpers(context: Context) -> tuple[list[int], list[int], list[float]] | None:
+    rec = context.state.config_records.get(STATE_HELPERS) if STATE_HELPERS in context.state else None
+    if rec is None:
+        return None
+    return list(rec["ids"]), list(rec["versions"]), list(rec["corr"])
+
+
+def _write_helpers(context: Context, ids: list[int], versions: list[int], corr: list[float]) -> None:
+    context.state[STATE_HELPERS] = ConfigRecord({"ids": [int(i) for i in ids],
+                                                 "versions": [int(v) for v in versions],
+                                                 "corr": [float(c) for c in corr]})
+
+
+def _reply(msg: Message, arrays: ArrayRecord | None = None, metrics: dict | None = None,
+           config: dict | None = None) -> Message:
+    content = RecordDict()
+    if arrays is not None:
+        content[ARRAYS_KEY] = arrays
+    content[METRICS_KEY] = MetricRecord({k: v for k, v in (metrics or {}).items()})
+    if config is not None:
+        content[CONFIG_KEY] = ConfigRecord(config)
+    return Message(content, reply_to=msg)
+
+
+def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int) -> tuple[torch.nn.Module, dict]:
+    """w_0 (the common seeded init) plus ``warmup-epochs`` of CE on D_k^s (mu_k = 0: w_0)."""
+    model = env.build_model()
+    lab = env.labeled()
+    stats = {"warmup-loss": float("nan")}
+    if cfg.warmup_epochs > 0 and len(lab) > 0:
+        t = env.task
+        steps = cfg.warmup_epochs * max(1, math.ceil(len(lab) / t.batch_size))
+        out = train_supervised(model, lab, aug=env.augmenter, steps=steps, batch_size=t.batch_size,
+                               optimizer=make_sgd(model.parameters(), t), device=env.device, seed=seed)
+        stats["warmup-loss"] = out["train-loss"]
+    return model, stats
+
+
+def client_warmup(msg: Message, context: Context) -> Message:
+    """``query`` op ``warmup``: build w_0, train on D_k^s, upload (version 0)."""
+    env, cfg = _env(msg, context), _algo_cfg(msg)
+    model, stats = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", env.partition_id))
+    return _reply(msg, model_to_record(model), {"partition-id": env.partition_id, **stats})
+
+
+def client_hello(msg: Message, context: Context) -> Message:
+    """``query`` op ``hello``: tell the server this node's partition id (after a resume)."""
+    env = _env(msg, context)
+    return _reply(msg, None, {"partition-id": env.partition_id})
+
+
+def client_select(msg: Message, context: Context) -> Message:
+    """``query`` op ``select``: fill, replace and choose refreshes (see module docstring)."""
+    env, cfg = _env(msg, context), _algo_cfg(msg)
+    conf = msg.content.config_records[CONFIG_KEY]
+    rnd = int(conf["server-round"])
+    latest = dict(zip((int(i) for i in conf["pool-ids"]), (int(v) for v in conf["pool-versions"])))
+    server_ids, server_vers = [int(i) for i in conf["helper-ids"]], [int(v) for v in conf["helper-versions"]]
+    mine = _read_helpers(context)
+    if mine is not None and (mine[0], mine[1]) == (server_ids, server_vers):
+        corr = mine[2]
+    else:
+        if mine is not None or server_ids:
+            log(WARNING, "umpfssl client %s: helper list in state %s differs from the server's %s; "
+                "adopting the server's (Corr unknown this round)", env.partition_id, mine, server_ids)
+        corr = [math.inf] * len(server_ids)
+    members = list(zip(server_ids, server_vers, corr))
+    scorer = _Scorer(env, cfg, derive_seed(env.task.seed, "umpfssl-select", rnd, env.partition_id))
+    fills, cands = [], []
+    for cid, reason in zip((int(i) for i in conf["cand-ids"]), conf["cand-reasons"]):
+        model = _load(env, msg.content.array_records[f"cand.{cid}"])
+        c = scorer.score(model, ("cand", cid))[0]
+        (fills if reason == "fill" else cands).append((cid, latest[cid], c))
+    members += fills
+    members, swaps = replace_helpers(members, cands, cfg.replace)
+    refresh = refresh_ids(members, latest, cfg.replace) if bool(conf["do-refresh"]) else []
+    versions = [latest[m[0]] if m[0] in refresh else m[1] for m in members]
+    return _reply(msg, None, {"swaps": swaps, "partition-id": env.partition_id},
+                  {"helper-ids": [m[0] for m in members], "helper-versions": versions,
+                   "refresh-ids": refresh})
+
+
+def _train_distill(model, labeled, unlabeled, targets: torch.Tensor, mu: float, *, env: Env,
+                   seed: int) -> dict[str, float]:
+    """E epochs: a pass of ``mu * CE`` on labeled batches, then ``(1-mu) * KL(yhat||f)``."""
+    t = env.task
+    opt = make_sgd(model.parameters(), t)
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    epochs = 1 if t.local_steps > 0 else t.local_epochs
+    losses, seen = [], 0
+    for _ in range(epochs):
+        for data, is_lab in ((labeled, True), (unlabeled, False)):
+            n = len(data)
+            if n == 0:
+                continue
+            steps = t.local_steps if t.local_steps > 0 else math.ceil(n / t.batch_size)
+            for idx in batch_indices(n, t.batch_size, steps, gen):
+                xb, yb = to_device_batch(data, idx, env.device)
+                logits = model(env.augmenter.weak(xb))
+                if is_lab:
+                    loss = mu * F.cross_entropy(logits, yb)
+                else:
+                    loss = (1.0 - mu) * kl_to_target(logits, targets[idx.to(targets.device)])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                seen += len(idx)
+    return {"train-loss": float(np.mean(losses)) if losses else 0.0, "samples-seen": float(seen)}
+
+
+def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
+    conf = msg.content.config_records[CONFIG_KEY]
+    rnd, pid = int(conf["server-round"]), env.partition_id
+    seed = derive_seed(env.task.seed, "umpfssl-train", rnd, pid)
+    ids, versions = [int(i) for i in conf["helper-ids"]], [int(v) for v in conf["helper-versions"]]
+    if ARRAYS_KEY in msg.content.array_records:
+        own = _load(env, msg.content.array_records[ARRAYS_KEY])
+        extra = {}
+    else:  # not in the pool yet (e.g. it missed the warm-up): warm up now
+        own, extra = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", pid))
+    helpers = [_load(env, msg.content.array_records[f"helper.{i}"]) for i in ids]
+    scorer = _Scorer(env, cfg, seed)
+    scored = [scorer.score(own, "self")] + [scorer.score(h, ("helper", i)) for h, i in zip(helpers, ids)]
+    corr = [s[0] for s in scored]
+    # personalized aggregation (self included with its current weights)
+    states = [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in [own] + helpers]
+    load_numpy_state(own, personalized_weighted(states, corr))
+    # pseudo-labels: helpers' MC predictions + the aggregated self's
+    metrics: dict[str, Any] = {}
+    unl = env.unlabeled()
+    targets = torch.zeros(0, env.num_classes)
+    if len(unl) > 0:
+        p_self, h_self = scorer.predict(own, scorer.xu, ("u", "aggregated"))
+        targets, choice = select_pseudo_labels([p_self] + [s[1] for s in scored[1:]],
+                                               [h_self] + [s[2] for s in scored[1:]])
+        metrics["pseudo-label-accuracy"] = float((targets.argmax(1) == scorer.yu).float().mean())
+        metrics["pseudo-label-from-self"] = float((choice == 0).float().mean())
+    out = _train_distill(own, env.labeled(), unl, targets, scorer.mu, env=env, seed=seed)
+    _write_helpers(context, ids, versions, corr[1:])
+    weights = np.asarray(corr) / np.sum(corr)
+    metrics.update({"num-examples": float(len(env.labeled()) + len(unl)), "train-loss": out["train-loss"],
+                    "mu": scorer.mu, "partition-id": pid, "corr-self": corr[0],
+                    "self-weight": float(weights[0]), "num-helpers": len(ids) + 1, **extra})
+    return _reply(msg, model_to_record(own), metrics, {"helper-ids": ids, "helper-versions": versions})
+
+
+def _head_keys(model) -> list[str]:
+    prefix = f"stages.{model.stage_names[-1]}."
+    return [k for k in model.state_dict() if k.startswith(prefix)]
+
+
+def _train_fixmatch(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
+    """fixavg / fixprox / fedper-fix / local-only: FixMatch local training."""
+    conf = msg.content.config_records[CONFIG_KEY]
+    rnd, pid, t = int(conf["server-round"]), env.partition_id, env.task
+    model = env.build_model()
+    if cfg.mode == "local":
+        if STATE_MODEL in context.state:
+            load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
+    else:
+        rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
+        if cfg.mode == "fedper" and STATE_HEAD in context.state:
+            rec.update(record_to_numpy(context.state.array_records[STATE_HEAD]))
+        load_numpy_state(model, rec, strict=cfg.mode != "fedper")
+    reg = None
+    if cfg.mode == "fixprox" and cfg.prox_mu > 0:
+        ref = [p.detach().clone() for p in model.parameters()]
+
+        def reg() -> torch.Tensor:  # noqa: F811 - FedProx: mu/2 ||w - w_global||^2
+            return 0.5 * cfg.prox_mu * sum(((p - r) ** 2).sum() for p, r in zip(model.parameters(), ref))
+    lab, unl = env.labeled(), env.unlabeled()
+    out = train_fixmatch(model, lab, unl, aug=env.augmenter, steps=num_local_steps(t, len(lab) + len(unl)),
+                         batch_size=t.batch_size, unlabeled_batch_size=cfg.fixmatch_uratio * t.batch_size,
+                         optimizer=make_sgd(model.parameters(), t), device=env.device,
+                         seed=derive_seed(t.seed, "fixmatch", rnd, pid), tau=cfg.fixmatch_tau,
+                         lambda_u=cfg.fixmatch_lambda_u, regularizer=reg)
+    out["num-examples"] = float(len(lab) + len(unl))
+    out["partition-id"] = pid
+    arrays = None
+    if cfg.mode == "local":
+        context.state[STATE_MODEL] = model_to_record(model)
+    elif cfg.mode == "fedper":
+        head = _head_keys(model)
+        context.state[STATE_HEAD] = model_to_record(model, head)
+        arrays = model_to_record(model, [k for k in model.state_dict() if k not in set(head)])
+    else:
+        arrays = model_to_record(model)
+    return _reply(msg, arrays, out)
+
+
+def client_train(msg: Message, context: Context) -> Message:
+    env, cfg = _env(msg, context), _algo_cfg(msg)
+    if cfg.mode == "umpfssl":
+        return _train_umpfssl(msg, context, env, cfg)
+    return _train_fixmatch(msg, context, env, cfg)
+
+
+def client_evaluate(msg: Message, context: Context) -> Message:
+    """``evaluate``: this client's model on its own test split."""
+    env, cfg = _env(msg, context), _algo_cfg(msg)
+    model = env.build_model()
+    if cfg.mode == "local":
+        if STATE_MODEL in context.state:
+            load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
+    elif ARRAYS_KEY in msg.content.array_records:  # (umpfssl: absent only if not in the pool yet)
+        rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
+        if cfg.mode == "fedper" and STATE_HEAD in context.state:
+            rec.update(record_to_numpy(context.state.array_records[STATE_HEAD]))
+        load_numpy_state(model, rec, strict=cfg.mode != "fedper")
+    test = env.client_test()
+    res = evaluate(model, test, aug=env.augmenter, device=env.device, num_classes=env.num_classes)
+    return _reply(msg, None, {"accuracy": res["accuracy"], "num-examples": float(len(test)),
+                              "partition-id": env.partition_id})
+
+
+# =============================================================================== server side
+class PersonalizedEvalStrategy(SSLStrategy):
+    """Shared server side of every variant: dir2 partition with per-client test splits, and
+    per-client evaluation (``evaluate`` messages) every ``eval-every`` rounds and at the end.
+
+    The round's ``accuracy`` is the mean of the clients' test accuracies (unweighted, as the
+    paper), ``client-accuracies`` the list by partition id (``client-ids``), ``client-accuracy-var`` the
+    population variance.
+    """
+
+    label_mode = "dir2"
+    with_client_test = True
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.num_rounds = 0
+        self.last_eval: dict[str, Any] = {}
+        self.counts: dict[str, int] = {}
+
+    def start(self, grid: Grid, *args, num_rounds: int = 3, **kw):
+        self.num_rounds = num_rounds
+        return super().start(grid, *args, num_rounds=num_rounds, **kw)
+
+    def eval_payload(self, node: int) -> ArrayRecord | None:
+        """What node needs to rebuild its model for evaluation (override)."""
+        return self.global_arrays()
+
+    def client_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        nodes = sorted(grid.get_node_ids())
+        msgs = []
+        for n in nodes:
+            content = self.base_content(server_round, op="client-eval")
+            rec = self.eval_payload(n)
+            if rec is not None:
+                content[ARRAYS_KEY] = rec
+                self.meter.add_record("eval-weights", "down", rec)
+            msgs.append(Message(content, dst_node_id=n, message_type="evaluate", group_id=str(server_round)))
+        accs: dict[int, float] = {}
+        for r in self.exchange(grid, msgs):
+            m = r.content.metric_records[METRICS_KEY]
+            accs[int(m["partition-id"])] = float(m["accuracy"])
+        if not accs:
+            return {}
+        vals = [accs[k] for k in sorted(accs)]
+        return {"accuracy": float(np.mean(vals)), "client-accuracy-mean": float(np.mean(vals)),
+                "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
+                "client-accuracies": vals, "client-ids": sorted(accs)}
+
+    def maybe_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        cfg = self.cfg
+        if server_round % cfg.eval_every == 0 or server_round == self.num_rounds:
+            self.last_eval = self.client_eval(grid, server_round)
+            return dict(self.last_eval)
+        return {}
+
+    def evaluate_global(self) -> dict[str, Any]:
+        return {}  # per-client evaluation happens in run_round (it needs the grid)
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
+
+    def flush_counts(self) -> dict[str, int]:
+        out, self.counts = dict(self.counts), {}
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"last_eval": self.last_eval}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.last_eval = state.get("last_eval", {})
+
+
+class FixMatchFedStrategy(PersonalizedEvalStrategy):
+    """fixavg / fixprox (global model) and fedper-fix (global body, local heads)."""
+
+    def setup_algorithm(self) -> None:
+        self.body_keys = None
+        if self.cfg.mode == "fedper":
+            head = set(_head_keys(self.model))
+            self.body_keys = [k for k in self.model.state_dict() if k not in head]
+
+    def global_arrays(self) -> ArrayRecord:
+        return model_to_record(self.model, self.body_keys)
+
+    def aggregate_train(self, server_round: int, replies):
+        replies = list(replies)
+        states, weights, losses, masks = [], [], [], []
+        for r in replies:
+            rec = r.content.array_records[ARRAYS_KEY]
+            self.meter.add_record("weights", "up", rec)
+            met = r.content.metric_records[METRICS_KEY]
+            states.append(record_to_numpy(rec))
+            weights.append(float(met["num-examples"]))
+            losses.append(float(met["train-loss"]))
+            masks.append(float(met["mask-rate"]))
+        if len(states) < self.policy.min_nodes or sum(weights) <= 0:
+            return None, None
+        load_numpy_state(self.model, weighted_mean(states, weights), strict=self.body_keys is None)
+        return self.global_arrays(), MetricRecord({"train-loss": float(np.average(losses, weights=weights)),
+                                                   "mask-rate": float(np.mean(masks))})
+
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        out = super().run_round(server_round, grid)
+        out.update(self.maybe_eval(grid, server_round))
+        return out
+
+
+class LocalOnlyStrategy(PersonalizedEvalStrategy):
+    """Every client trains alone (FixMatch on its own data); no weights are exchanged."""
+
+    def eval_payload(self, node: int) -> ArrayRecord | None:
+        return None
+
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        nodes = self.sample_nodes(grid, server_round)
+        msgs = [Message(self.base_content(server_round), dst_node_id=n, message_type="train",
+                        group_id=str(server_round)) for n in nodes]
+        replies = self.exchange(grid, msgs)
+        mets = [r.content.metric_records[METRICS_KEY] for r in replies]
+        out: dict[str, Any] = {"participants": len(replies)}
+        if mets:
+            out["train-loss"] = float(np.mean([float(m["train-loss"]) for m in mets]))
+            out["mask-rate"] = float(np.mean([float(m["mask-rate"]) for m in mets]))
+        out.update(self.maybe_eval(grid, server_round))
+        return out
+
+
+class UMPFSSLStrategy(PersonalizedEvalStrategy):
+    """The versioned model pool and the per-round select/train exchanges (module docstring)."""
+
+    def setup_algorithm(self) -> None:
+        if self.task.dropout <= 0.0:
+            raise ConfigError("algo=umpfssl needs dropout > 0 for MC-dropout (the paper uses dropout=0.5)")
+        self.pool: dict[int, tuple[int, dict[str, np.ndarray]]] = {}       # pid -> (version, state)
+        self.archive: dict[tuple[int, int], dict[str, np.ndarray]] = {}   # older referenced versions
+        self.refs: dict[int, list[tuple[int, int]]] = {}                   # pid -> non-self (id, version)
+        self.node_pid: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- pool
+    def referenced(self) -> set[tuple[int, int]]:
+        return {h for lst in self.refs.values() for h in lst}
+
+    def fetch(self, pid: int, version: int) -> dict[str, np.ndarray]:
+        v, st = self.pool[pid]
+        if v == version:
+            return st
+        if (pid, version) in self.archive:
+            return self.archive[(pid, version)]
+        raise KeyError(f"pool has no version {version} of client {pid} (latest {v})")
+
+    def upload(self, pid: int, version: int, state: dict[str, np.ndarray]) -> None:
+        if pid in self.pool:
+            old_v, old = self.pool[pid]
+            if (pid, old_v) in self.referenced():
+                self.archive[(pid, old_v)] = old
+        self.pool[pid] = (version, state)
+
+    def gc(self) -> None:
+        live = self.referenced()
+        for key in [k for k in self.archive if k not in live]:
+            del self.archive[key]
+
+    def eval_payload(self, node: int) -> ArrayRecord | None:
+        pid = self.node_pid.get(node)
+        return numpy_to_record(self.pool[pid][1]) if pid in self.pool else None
+
+    # ---------------------------------------------------------------- phases
+    def query(self, grid: Grid, nodes: list[int], op: str, server_round: int) -> list[Message]:
+        msgs = []
+        for n in nodes:
+            c = self.base_content(server_round, op=op)
+            msgs.append(Message(c, dst_node_id=n, message_type="query", group_id=str(server_round)))
+        return self.exchange(grid, msgs)
+
+    def warmup(self, grid: Grid) -> dict[str, Any]:
+        nodes = sorted(grid.get_node_ids())
+        losses = []
+        for r in self.query(grid, nodes, "warmup", 0):
+            m = r.content.metric_records[METRICS_KEY]
+            pid = int(m["partition-id"])
+            rec = r.content.array_records[ARRAYS_KEY]
+            self.meter.add_record("weights", "up", rec)
+            self.count("warmup-upload")
+            self.node_pid[r.metadata.src_node_id] = pid
+            self.upload(pid, 0, record_to_numpy(rec))
+            self.refs.setdefault(pid, [])
+            losses.append(float(m["warmup-loss"]))
+        log(INFO, "umpfssl warm-up: %d clients in the pool", len(self.pool))
+        return {"warmup-loss": float(np.nanmean(losses)) if losses and not all(map(math.isnan, losses))
+                else float("nan")}
+
+    def ensure_node_map(self, grid: Grid, nodes: list[int], server_round: int) -> None:
+        unknown = [n for n in nodes if n not in self.node_pid]
+        if unknown:
+            for r in self.query(grid, unknown, "hello", server_round):
+                self.node_pid[r.metadata.src_node_id] = int(r.content.metric_records[METRICS_KEY]["partition-id"])
+
+    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        cfg, t = self.cfg, server_round
+        out: dict[str, Any] = {}
+        if not self.pool:
+            out.update(self.warmup(grid))
+        nodes = self.sample_nodes(grid, t)
+        self.ensure_node_map(grid, nodes, t)
+        nodes = [n for n in nodes if n in self.node_pid]
+        directory = {pid: v for pid, (v, _) in self.pool.items()}
+        do_refresh = t % cfg.update_period == 0
+        lists: dict[int, list[tuple[int, int]]] = {}
+        refreshed: dict[int, set[int]] = {}
+        select_msgs, swaps = [], 0
+        for n in nodes:
+            pid = self.node_pid[n]
+            cur = list(self.refs.get(pid, []))
+            lists[n], refreshed[n] = cur, set()
+            held = {pid} | {i for i, _ in cur}
+            avail = sorted(i for i in directory if i not in held)
+            rng = random.Random(derive_seed(self.task.seed, "umpfssl-candidates", t, pid))
+            fill = rng.sample(avail, min(cfg.helpers - 1 - len(cur), len(avail))) if len(cur) < cfg.helpers - 1 else []
+            rest = [i for i in avail if i not in set(fill)]
+            repl = rng.sample(rest, min(cfg.replace, len(rest))) if (t <= cfg.search_rounds and cfg.replace > 0) else []
+            if not fill and not repl and not (do_refresh and cur):
+                continue
+            content = self.base_content(t, op="select", **{
+                "pool-ids": sorted(directory), "pool-versions": [directory[i] for i in sorted(directory)],
+                "helper-ids": [i for i, _ in cur], "helper-versions": [v for _, v in cur],
+                "cand-ids": fill + repl, "cand-reasons": ["fill"] * len(fill) + ["replace"] * len(repl),
+                "do-refresh": do_refresh})
+            for i, reason in [(i, "fill") for i in fill] + [(i, "replace") for i in repl]:
+                rec = numpy_to_record(self.pool[i][1])
+                content[f"cand.{i}"] = rec
+                self.meter.add_record("helper-weights", "down", rec)
+                self.count(reason)
+            select_msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(t)))
+        selected = set()
+        for r in self.exchange(grid, select_msgs):
+            n, c = r.metadata.src_node_id, r.content.config_records[CONFIG_KEY]
+            lists[n] = list(zip((int(i) for i in c["helper-ids"]), (int(v) for v in c["helper-versions"])))
+            refreshed[n] = {int(i) for i in c["refresh-ids"]}
+            swaps += int(r.content.metric_records[METRICS_KEY]["swaps"])
+            selected.add(n)
+        failed = {m.metadata.dst_node_id for m in select_msgs} - selected
+        train_msgs = []
+        for n in nodes:
+            if n in failed:
+                continue
+            pid = self.node_pid[n]
+            content = self.base_content(t, **{"helper-ids": [i for i, _ in lists[n]],
+                                              "helper-versions": [v for _, v in lists[n]]})
+            if pid in self.pool:  # else the client warms up first (it missed the warm-up)
+                own = numpy_to_record(self.pool[pid][1])
+                content[ARRAYS_KEY] = own
+                self.meter.add_record("own-weights", "down", own)
+            for i, v in lists[n]:
+                rec = numpy_to_record(self.fetch(i, v))
+                content[f"helper.{i}"] = rec
+                if i in refreshed[n]:
+                    self.meter.add_record("helper-weights", "down", rec)
+                    self.count("refresh")
+                else:
+                    self.meter.add_record("helper-cache", "down", rec)
+            train_msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(t)))
+        replies = self.exchange(grid, train_msgs)
+        uploads, mets = [], []
+        for r in replies:
+            m = r.content.metric_records[METRICS_KEY]
+            c = r.content.config_records[CONFIG_KEY]
+            pid = int(m["partition-id"])
+            self.refs[pid] = list(zip((int(i) for i in c["helper-ids"]), (int(v) for v in c["helper-versions"])))
+            rec = r.content.array_records[ARRAYS_KEY]
+            self.meter.add_record("weights", "up", rec)
+            self.count("upload")
+            uploads.append((pid, record_to_numpy(rec)))
+            mets.append(m)
+        for pid, st in uploads:   # after every list is updated, so the archive keeps what they reference
+            self.upload(pid, t, st)
+        self.gc()
+        out["participants"] = len(replies)
+        slots = sum(len(lists[n]) for n in nodes if n in selected) or 1
+        out.update({"helper-swaps": swaps, "helper-churn": swaps / slots, "pool-archive-size": len(self.archive)})
+        for key in ("train-loss", "pseudo-label-accuracy", "pseudo-label-from-self", "mu", "self-weight",
+                    "corr-self"):
+            vals = [float(m[key]) for m in mets if key in m]
+            if vals:
+                out[key] = float(np.nanmean(vals)) if not all(map(math.isnan, vals)) else float("nan")
+        out.update(self.flush_counts())
+        out.update(self.maybe_eval(grid, t))
+        return out
+
+    # ---------------------------------------------------------------- checkpoints
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "pool": self.pool, "archive": self.archive, "refs": self.refs}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
+        self.pool = state.get("pool", {})
+        self.archive = state.get("archive", {})
+        self.refs = state.get("refs", {})
+        self.node_pid = {}  # node ids change between runs: re-learned with a "hello" query
+
+
+_HANDLERS = {"train": client_train, "evaluate": client_evaluate, "select": client_select,
+             "warmup": client_warmup, "hello": client_hello, "client-eval": client_evaluate}
+_PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
+
+
+def _spec(name: str, cls: type, mode: str, desc: str) -> AlgorithmSpec:
+    return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
+                         strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
+                         overrides={"mode": mode}, client=dict(_HANDLERS), description=desc)
+
+
+ALGORITHMS = {
+    "umpfssl": _spec("umpfssl", UMPFSSLStrategy, "umpfssl",
+                     "personalized models; helpers chosen by MC-dropout uncertainty; server = model pool"),
+    "fixavg": _spec("fixavg", FixMatchFedStrategy, "fixavg", "FedAvg + FixMatch on unlabeled data"),
+    "fixprox": _spec("fixprox", FixMatchFedStrategy, "fixprox", "FedProx + FixMatch on unlabeled data"),
+    "fedper-fix": _spec("fedper-fix", FixMatchFedStrategy, "fedper",
+                        "FedPer (shared body, local head) + FixMatch"),
+    "local-only": _spec("local-only", LocalOnlyStrategy, "local",
+                        "each client trains alone (FixMatch), no weights exchanged"),
+}
