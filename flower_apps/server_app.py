@@ -10,7 +10,7 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from flower_apps.config import ParsedConfig, parse_run_config
+from flower_apps.config import ParsedConfig, parse_run_config, preflight
 from flower_apps.results import RunFolder
 from strategies.base import RoundPolicy
 from tasks.config import ConfigError, to_flat
@@ -52,18 +52,27 @@ def run(grid: Grid, run_config: dict) -> Path:
     """Run one configured experiment on ``grid``; return the run folder."""
     try:
         parsed = parse_run_config(run_config)
+        preflight(parsed)  # dataset, device, model, cut: before any node is contacted
     except ConfigError as e:
         log(ERROR, "invalid run config: %s", e)
         raise
     app_cfg, spec = parsed.app, parsed.spec
     name = app_cfg.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = RunFolder(resolve_results_dir(app_cfg.results_dir) / name)
-    done = folder.start(resolved_config(parsed), resume=app_cfg.resume)
 
     strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, RoundPolicy(
         fraction_train=app_cfg.fraction_train, min_nodes=app_cfg.min_nodes,
         round_timeout=app_cfg.round_timeout))
-    strategy.setup(grid)
+    try:
+        strategy.setup(grid)  # waits for min-nodes, partitions the data over the nodes seen
+    except ConfigError as e:
+        log(ERROR, "invalid run config: %s", e)
+        raise
+    except ValueError as e:  # e.g. more nodes than samples: still before any training
+        err = ConfigError(f"the run cannot start with {strategy.num_partitions} SuperNode(s): {e}")
+        log(ERROR, "invalid run config: %s", err)
+        raise err from e
+    done = folder.start(resolved_config(parsed), resume=app_cfg.resume)
     folder.write_json("partition.json", strategy.env.plan.report)
     if done:
         ck = folder.load_checkpoint()

@@ -42,10 +42,10 @@ def run_simulation_inprocess(run_config: dict[str, Any], num_supernodes: int = 3
     from flwr.simulation import run_simulation
 
     from flower_apps.client_app import app as client_app
-    from flower_apps.config import parse_run_config
+    from flower_apps.config import parse_run_config, preflight
     from flower_apps.server_app import run
 
-    parse_run_config(run_config)  # fail before starting Ray
+    preflight(parse_run_config(run_config), num_supernodes)  # fail before starting Ray
     # Ray workers import the ClientApp: make this checkout importable for them
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH", "")) if p)

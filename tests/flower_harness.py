@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,52 +51,92 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def _pids_matching(pattern: str) -> list[int]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = []
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if pattern in args and int(pid) != os.getpid():
-            pids.append(int(pid))
-    return pids
+# ----------------------------------------------------------------------------- processes
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
 
 
-def kill_tree(pids: list[int], grace: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = []
-        for p in pids:
-            try:
-                os.kill(p, sig)
-                alive.append(p)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + grace
-        while alive and time.time() < deadline:
-            alive = [p for p in alive if _alive(p)]
-            time.sleep(0.1)
-        if not alive:
-            return
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        for c in _children(todo.pop()):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True for a running (not zombie) process."""
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def kill_pids(pids: list[int], grace: float = 5.0) -> list[int]:
+    """SIGTERM, wait ``grace``, then SIGKILL; returns the pids still alive at the end."""
+    pids = [p for p in dict.fromkeys(pids) if p != os.getpid()]
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for p in pids:
+            if alive(p):
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + wait
+        while time.time() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.1)
+        if not any(alive(p) for p in pids):
+            return []
+    return [p for p in pids if alive(p)]
+
+
+
+def pids_with_env(key: str, value: str) -> list[int]:
+    """Live processes whose environment has ``key=value`` (ours inherit FLWR_HOME)."""
+    needle = f"{key}={value}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and alive(int(d.name)):
+            out.append(int(d.name))
+    return out
 
 
 def stop_local_superlink(env: dict[str, str]) -> None:
-    """Kill the managed local SuperLink started under this FLWR_HOME, and its children."""
-    home = env["FLWR_HOME"]
-    pids = _pids_matching(home)
-    ray = _pids_matching(env["RAY_TMPDIR"])
-    kill_tree(pids + ray)
+    """Kill every process started under this FLWR_HOME / RAY_TMPDIR (a managed local
+    SuperLink, its superexec, flwr-simulation and Ray), found by their inherited environment."""
+    pids = pids_with_env("FLWR_HOME", env["FLWR_HOME"]) + pids_with_env("RAY_TMPDIR", env["RAY_TMPDIR"])
+    left = kill_pids(pids + [c for p in pids for c in descendants(p)])
+    if left:
+        raise RuntimeError(f"processes left after stopping the local SuperLink: {left}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def flwr_cli(args: list[str], env: dict[str, str], timeout: float = 600, cwd: Path = ROOT

@@ -1,24 +1,16 @@
 """The README's run command through the real `flwr` CLI and a managed local SuperLink."""
-import socket
-
 import pytest
 
-from tests.flower_harness import ROOT, flwr_cli, hermetic_env, read_metrics, stop_local_superlink
+from tests.flower_harness import ROOT, flwr_cli, free_port, hermetic_env, read_metrics, stop_local_superlink
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_flwr_run_dot_on_the_embedded_default(tmp_path):
     env = hermetic_env(tmp_path)
     # a private managed SuperLink on free ports, so a user's own local SuperLink is untouched
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(_free_port())
-    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(_free_port())
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
     results = tmp_path / "results"
     try:
         proc = flwr_cli(["run", ".", "--stream", "--federation-config", "num-supernodes=3",

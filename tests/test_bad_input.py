@@ -1,0 +1,289 @@
+"""Bad input, tried as a new user would; each case must fail with a clear error before
+any training starts. Every row of docs/bad-input.md is backed by a test here (the row
+id is in the test name or parameter id).
+
+* every run-config key with a wrong type, and every key that has a range or a choice
+  list with a value outside it (generated from the config dataclasses, so new keys are
+  covered automatically);
+* unknown names: key, namespaced key, namespace, algorithm, choice value;
+* a dataset that cannot be loaded offline, a cut point the model does not have, more
+  SuperNodes than samples, a CUDA device on a CPU box, a run-name with a '/', resume
+  mistakes, a SuperNode without node config;
+* through the entry points a user touches: ``python -m flower_apps.simulate`` (exit 2,
+  one ``error:`` line, Ray never started) and the ServerApp (``ConfigError`` raised and
+  logged before any message is sent; ``flwr run`` itself is in tests/test_deploy.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_type_hints
+
+import pytest
+from flwr.app import Context, RecordDict
+
+from flower_apps.config import AppConfig, check_partition, parse_run_config, preflight
+from strategies.registry import algorithm_names, get_algorithm
+from tasks.config import ConfigError, TaskConfig
+from tests.test_config import pyproject_config
+
+DEFAULTS = pyproject_config()
+
+
+# ----------------------------------------------------------------------------- all keys
+def key_table() -> dict[str, tuple[type, dict]]:
+    """run-config key -> (type, knob metadata) for every key the app accepts."""
+    out: dict[str, tuple[type, dict]] = {}
+    classes = [(AppConfig, ""), (TaskConfig, "")]
+    for name in algorithm_names():
+        spec = get_algorithm(name)
+        if spec.config_cls is not None:
+            classes.append((spec.config_cls, spec.namespace))
+    for cls, ns in classes:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            k = f.name.replace("_", "-")
+            out[f"{ns}.{k}" if ns else k] = (hints[f.name], dict(f.metadata))
+    return out
+
+
+KEYS = key_table()
+
+
+def test_key_table_covers_pyproject():
+    assert set(KEYS) == set(DEFAULTS)
+
+
+def wrong_type(typ: type) -> Any:
+    return {bool: "maybe", int: 2.5, float: "fast", str: 7}[typ]
+
+
+def out_of_range(typ: type, meta: dict) -> Any | None:
+    if meta.get("choices"):
+        return "no-such-choice" if typ is str else -12345
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None:
+        v = lo if meta.get("lo_open") else lo - 1
+    elif hi is not None:
+        v = hi if meta.get("hi_open") else hi + 1
+    else:
+        return None
+    return int(v) if typ is int else float(v)
+
+
+def parse_with(key: str, value: Any) -> None:
+    parse_run_config({**DEFAULTS, key: value})
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_wrong_type_names_the_key(key):
+    typ, _ = KEYS[key]
+    with pytest.raises(ConfigError) as e:
+        parse_with(key, wrong_type(typ))
+    msg = str(e.value)
+    assert msg.startswith(f"{key}=") and "must be" in msg, msg
+
+
+RANGED = sorted(k for k, (t, m) in KEYS.items() if out_of_range(t, m) is not None)
+
+
+@pytest.mark.parametrize("key", RANGED)
+def test_out_of_range_names_the_key_and_what_is_allowed(key):
+    typ, meta = KEYS[key]
+    with pytest.raises(ConfigError) as e:
+        parse_with(key, out_of_range(typ, meta))
+    msg = str(e.value)
+    assert msg.startswith(f"{key}=") and ("is out of range; allowed" in msg or "is not one of:" in msg), msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    pytest.param({"num-round": 2}, "unknown run-config key 'num-round' (did you mean num-rounds?)", id="unknown-key"),
+    pytest.param({"scala.local-iteration": 2}, "unknown run-config key 'scala.local-iteration'", id="unknown-ns-key"),
+    pytest.param({"scalaa.x": 2}, "unknown run-config namespace in 'scalaa.x'", id="unknown-namespace"),
+    pytest.param({"algo": "fixmatch"}, "algo='fixmatch' is not one of:", id="unknown-algo"),
+    pytest.param({"model": "resnet50"}, "model='resnet50' is not one of:", id="unknown-model"),
+    pytest.param({"device": "tpu"}, "device='tpu' is not one of: auto, cpu, cuda", id="unknown-device"),
+    pytest.param({"run-name": "a/b"}, "run-name='a/b' must be a plain folder name", id="run-name-slash"),
+    pytest.param({"resume": True, "run-name": ""}, "resume=true needs run-name", id="resume-no-name"),
+    pytest.param({"local-epochs": 0, "local-steps": 0}, "local-epochs and local-steps are both 0", id="no-local-work"),
+])
+def test_unknown_names_and_combinations(override, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_run_config({**DEFAULTS, **override})
+    assert needle in str(e.value), str(e.value)
+
+
+# ----------------------------------------------------------------------------- preflight
+def parsed(**override):
+    return parse_run_config({**DEFAULTS, **override})
+
+
+def test_dataset_that_cannot_be_loaded_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on an offline node; avoids minutes of retries
+    with pytest.raises(ConfigError) as e:
+        preflight(parsed(dataset="no-such-org/no-such-dataset"))
+    msg = str(e.value)
+    assert "dataset='no-such-org/no-such-dataset'" in msg and "could not be loaded" in msg, msg
+    assert "dataset='mnist5k'" in msg  # tells the user what works offline
+
+
+def test_dataset_local_path_that_does_not_exist():
+    with pytest.raises(ConfigError, match=r"dataset='/nonexistent/data' .*could not be loaded"):
+        preflight(parsed(dataset="/nonexistent/data"))
+
+
+@pytest.mark.parametrize("key", ["dataset-split", "image-key", "label-key"])
+def test_hf_only_keys_with_the_embedded_dataset(key):
+    with pytest.raises(ConfigError, match=f"{key}='x' does not apply to the embedded dataset='mnist5k'"):
+        preflight(parsed(**{key: "x"}))
+
+
+@pytest.mark.parametrize("algo", [a for a in ("scala", "fedavg") if a in algorithm_names()])
+def test_cut_point_that_does_not_exist(algo):
+    with pytest.raises(ConfigError) as e:
+        preflight(parsed(algo=algo, model="cnn", cut="conv9"))
+    msg = str(e.value)
+    assert msg.startswith("cut='conv9' is not a cut point of model='cnn'; allowed:"), msg
+
+
+def test_valid_cut_points_pass():
+    from tasks.models import build_model
+
+    m = build_model("cnn", in_channels=1, num_classes=10, image_size=28)
+    for cut in m.cut_points:
+        preflight(parsed(cut=cut))
+
+
+def test_cuda_device_on_a_cpu_box():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this box has CUDA")
+    with pytest.raises(ConfigError, match="device='cuda' but CUDA is not available here"):
+        preflight(parsed(device="cuda"))
+
+
+def test_more_clients_than_samples():
+    with pytest.raises(ConfigError) as e:
+        check_partition(parsed(), 5000)  # MNIST-5k keeps 4000 training samples
+    msg = str(e.value)
+    assert "cannot be partitioned over 5000 SuperNode(s)" in msg and "cannot split 4000 samples" in msg, msg
+
+
+def test_min_partition_size_too_large_for_the_nodes():
+    with pytest.raises(ConfigError, match="partition-min-size=2000"):
+        check_partition(parsed(**{"partition-min-size": 2000}), 3)
+
+
+# ----------------------------------------------------------------------------- entry points
+def test_simulate_cli_reports_and_exits_2(capsys):
+    """``python -m flower_apps.simulate``: one error line, exit status 2, no Ray."""
+    from flower_apps import simulate
+
+    cases = {
+        "num-round=2": "Key 'num-round' is not present in the main dictionary",
+        "num-rounds=0": "num-rounds=0 is out of range; allowed [1, inf]",
+        "cut='conv9'": "cut='conv9' is not a cut point of model='cnn'",
+    }
+    for arg, needle in cases.items():
+        assert simulate.main(["--num-supernodes", "3", "-c", arg]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and needle in err, (arg, err)
+    assert simulate.main(["--num-supernodes", "5000", "-c", "num-rounds=1"]) == 2
+    assert "cannot be partitioned over 5000 SuperNode(s)" in capsys.readouterr().err
+
+
+class CountingGrid:
+    """A Grid stand-in that reports ``n`` connected nodes and counts pushed messages."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pushed = n, 0
+
+    def get_node_ids(self):
+        return list(range(1, self.n + 1))
+
+    def push_messages(self, msgs):
+        self.pushed += len(list(msgs))
+        raise AssertionError("a message was sent: training started")
+
+    def pull_messages(self, ids):
+        return []
+
+
+@pytest.mark.parametrize("override, nodes, needle", [
+    pytest.param({"num-rounds": 0}, 3, "num-rounds=0 is out of range", id="serverapp-range"),
+    pytest.param({"cut": "conv9"}, 3, "cut='conv9' is not a cut point", id="serverapp-cut"),
+    pytest.param({}, 5000, "cannot split 4000 samples over num_clients=5000", id="serverapp-too-many-nodes"),
+])
+def test_serverapp_fails_before_sending_anything(tmp_path, override, nodes, needle):
+    from flower_apps.server_app import run
+
+    grid = CountingGrid(nodes)
+    cfg = {**DEFAULTS, "results-dir": str(tmp_path), "run-name": "bad", "num-rounds": 1, **override}
+    with pytest.raises(ConfigError) as e:
+        run(grid, cfg)
+    assert needle in str(e.value), str(e.value)
+    assert grid.pushed == 0
+    assert not (tmp_path / "bad").exists()  # no run folder for a run that never started
+
+
+def test_resume_mistakes(tmp_path):
+    from flower_apps.results import RunFolder
+
+    f = RunFolder(tmp_path / "r")
+    with pytest.raises(FileNotFoundError, match="resume=true but .*config.json does not exist"):
+        f.start({"lr": 0.1}, resume=True)
+    f.start({"lr": 0.1, "num-rounds": 2}, resume=False)
+    f.append_metrics(1, {"accuracy": 0.5})
+    with pytest.raises(ValueError, match="run config differs from .* in: lr"):
+        f.start({"lr": 0.2, "num-rounds": 3}, resume=True)
+    with pytest.raises(FileExistsError, match="already holds a run; choose another run-name"):
+        f.start({"lr": 0.1, "num-rounds": 2}, resume=False)
+    assert f.start({"lr": 0.1, "num-rounds": 3}, resume=True) == 0  # num-rounds may grow
+
+
+def test_supernode_without_node_config():
+    """A SuperNode started without --node-config: its reply is an error naming the flag."""
+    from strategies.common import TASK_KEY, client_env, task_record
+
+    from flwr.app import ConfigRecord, Message
+    from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: F401  (TaskIdentity set below)
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    msg = Message(RecordDict({TASK_KEY: task_record(TaskConfig()), "config": ConfigRecord({"algo": "fedavg"})}),
+                  dst_node_id=5, message_type="train")
+    ctx = Context(run_id=1, node_id=5, node_config={}, state=RecordDict(), run_config={})
+    with pytest.raises(ConfigError, match='--node-config "partition-id=<i> num-partitions=<n>"'):
+        client_env(msg, ctx, "all")
+    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 3, "num-partitions": 3},
+                  state=RecordDict(), run_config={})
+    with pytest.raises(ConfigError, match=r"partition-id=3 is outside \[0, num-partitions=3\)"):
+        client_env(msg, ctx, "all")
+
+
+def test_node_data_path_overrides_the_dataset_location(tmp_path):
+    """node config ``data-path``: the node reads its copy of the run's dataset from there."""
+    import numpy as np
+
+    datasets = pytest.importorskip("datasets")
+    from strategies.common import TASK_KEY, client_env, task_record
+    from flwr.app import ConfigRecord, Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    rng = np.random.default_rng(0)
+    imgs = rng.integers(0, 255, size=(40, 8, 8), dtype=np.uint8)
+    ds = datasets.Dataset.from_dict({"image": [i.tolist() for i in imgs], "label": [i % 2 for i in range(40)]})
+    ds.save_to_disk(str(tmp_path / "copy"))
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
+    task = TaskConfig(dataset="some-org/tiny-digits")  # the id the server knows; not loadable here
+    msg = Message(RecordDict({TASK_KEY: task_record(task), "config": ConfigRecord({"algo": "fedavg"})}),
+                  dst_node_id=5, message_type="train")
+    ctx = Context(run_id=1, node_id=5, node_config={"partition-id": 1, "num-partitions": 2,
+                                                    "data-path": str(tmp_path / "copy")},
+                  state=RecordDict(), run_config={})
+    env = client_env(msg, ctx, "all")
+    assert env.bundle.name == "some-org/tiny-digits" and env.bundle.image_size == 8
+    assert len(env.labeled()) + len(client_env(msg, Context(
+        run_id=1, node_id=6, node_config={"partition-id": 0, "num-partitions": 2,
+                                          "data-path": str(tmp_path / "copy")},
+        state=RecordDict(), run_config={}), "all").labeled()) == len(env.bundle.train)
