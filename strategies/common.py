@@ -8,11 +8,12 @@ Server side: :func:`server_env` builds the same objects for the ServerApp.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -131,8 +132,13 @@ def client_env(msg: Message, context: Context, label_mode: str, with_test: bool 
             "--node-config \"partition-id=<i> num-partitions=<n>\"") from e
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside [0, num-partitions={n})")
-    bundle = load_bundle(task)
-    plan = _plan_cached(task, n, label_mode, with_test)
+    local = task
+    if str(nc.get("data-path", "")):  # this node's own copy of the same dataset (docs/deployment.md)
+        local = dataclasses.replace(task, dataset=str(nc["data-path"]))
+    bundle = load_bundle(local)
+    if local is not task:  # keep the run's dataset name (it selects e.g. flip augmentation)
+        bundle = dataclasses.replace(bundle, name=task.dataset)
+    plan = _plan_cached(local, n, label_mode, with_test)
     return Env(task, bundle, plan, resolve_device(task.device), make_augmenter(bundle), pid, n)
 
 
@@ -179,9 +185,9 @@ def trainable_keys(model: torch.nn.Module) -> list[str]:
 
 
 # --------------------------------------------------------------------------- local loops
-def make_sgd(params, task: TaskConfig, lr: float | None = None) -> torch.optim.SGD:
+def make_sgd(params, task: TaskConfig, lr: float | None = None, nesterov: bool = False) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=task.lr if lr is None else lr, momentum=task.momentum,
-                           weight_decay=task.weight_decay)
+                           weight_decay=task.weight_decay, nesterov=nesterov and task.momentum > 0)
 
 
 def num_local_steps(task: TaskConfig, n: int) -> int:
@@ -205,6 +211,11 @@ def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> 
                 return
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
 def to_device_batch(data: ArrayDataset, idx: torch.Tensor, device: torch.device):
     i = idx.numpy()
     return torch.from_numpy(data.x[i]).to(device), torch.from_numpy(data.y[i]).to(device)
@@ -212,14 +223,21 @@ def to_device_batch(data: ArrayDataset, idx: torch.Tensor, device: torch.device)
 
 def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, steps: int,
                      batch_size: int, optimizer: torch.optim.Optimizer, device: torch.device,
-                     seed: int, view: str = "weak") -> dict[str, float]:
-    """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default)."""
+                     seed: int, view: str = "weak",
+                     lr_fn: Callable[[int], float] | None = None) -> dict[str, float]:
+    """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default).
+
+    ``lr_fn(i)``, if given, sets the learning rate of every param group before local step
+    ``i`` (0-based), e.g. a cosine schedule over global iterations.
+    """
     model.train()
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     transform = getattr(aug, view)
     total, seen = 0.0, 0
-    for idx in batch_indices(len(data), batch_size, steps, gen):
+    for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
+        if lr_fn is not None:
+            set_lr(optimizer, lr_fn(i))
         xb, yb = to_device_batch(data, idx, device)
         loss = F.cross_entropy(model(transform(xb)), yb)
         optimizer.zero_grad(set_to_none=True)
@@ -228,6 +246,64 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
         total += float(loss.detach()) * len(idx)
         seen += len(idx)
     return {"train-loss": total / max(seen, 1), "num-examples": float(seen)}
+
+
+def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: ArrayDataset, *,
+                   aug: Augmenter, steps: int, batch_size: int, unlabeled_batch_size: int,
+                   optimizer: torch.optim.Optimizer, device: torch.device, seed: int,
+                   tau: float = 0.95, lambda_u: float = 1.0,
+                   regularizer: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
+    """``steps`` local FixMatch steps (Sohn et al. 2020), shared by the FixMatch baselines.
+
+    Each step: ``L = CE(f(weak(x_l)), y_l) + lambda_u * L_u (+ regularizer())`` with
+    ``L_u = tasks.losses.masked_pseudo_label_ce(f(strong(u)), softmax(f(weak(u))), tau)``
+    (hard pseudo-label of the same model's weak view, kept where its confidence is >= tau,
+    normalised by the full unlabeled batch). Labeled and unlabeled batches are drawn by
+    independent reshuffled-epoch cursors (``batch_size`` and ``unlabeled_batch_size``);
+    a term whose data set is empty is skipped. ``regularizer`` adds e.g. FedProx's
+    ``mu/2 ||w - w_global||^2``. Returns ``train-loss``, ``num-examples`` (labeled +
+    unlabeled samples seen), ``mask-rate`` and ``pseudo-label-accuracy`` (of the kept
+    pseudo-labels, against the hidden labels of ``unlabeled``; NaN if none kept).
+    """
+    from tasks.losses import masked_pseudo_label_ce
+
+    model.train()
+    gen_l = torch.Generator().manual_seed(seed)
+    gen_u = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed)
+    lab = iter(batch_indices(len(labeled), batch_size, steps, gen_l))
+    unl = iter(batch_indices(len(unlabeled), unlabeled_batch_size, steps, gen_u))
+    total = kept = correct = seen_u = seen = 0.0
+    for _ in range(steps):
+        il, iu = next(lab, None), next(unl, None)
+        if il is None and iu is None:
+            break
+        loss = torch.zeros((), device=device)
+        if il is not None:
+            xb, yb = to_device_batch(labeled, il, device)
+            loss = loss + F.cross_entropy(model(aug.weak(xb)), yb)
+            seen += len(il)
+        if iu is not None:
+            xu, yu = to_device_batch(unlabeled, iu, device)
+            xw, xs = aug.weak_strong(xu)
+            with torch.no_grad():
+                pw = torch.softmax(model(xw), dim=1)
+            lu, mask = masked_pseudo_label_ce(model(xs), pw, tau)
+            loss = loss + lambda_u * lu
+            kept += float(mask.sum())
+            correct += float(((pw.argmax(1) == yu).float() * mask).sum())
+            seen_u += len(iu)
+            seen += len(iu)
+        if regularizer is not None:
+            loss = loss + regularizer()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+    n_steps = max(steps, 1)
+    return {"train-loss": total / n_steps, "num-examples": float(seen),
+            "mask-rate": kept / seen_u if seen_u else 0.0,
+            "pseudo-label-accuracy": correct / kept if kept else float("nan")}
 
 
 @torch.no_grad()
