@@ -70,8 +70,10 @@ class ByteMeter:
 
 
 def array_bytes(rec: ArrayRecord) -> int:
-    """Raw tensor bytes of an ArrayRecord (the payload, without record framing)."""
-    return int(sum(len(rec[k].data) for k in rec.keys()))
+    """Raw tensor bytes of an ArrayRecord: elements x item size, without the per-array
+    serialisation header and record framing (so the count is analytic: weights x 4 bytes)."""
+    return int(sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+                   for a in (rec[k] for k in rec.keys())))
 
 
 class SSLStrategy(Strategy):

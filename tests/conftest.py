@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -9,3 +11,15 @@ if str(ROOT) not in sys.path:
 # Never phone home, never write to the real ~/.flwr or /tmp/ray from tests.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+
+@pytest.fixture()
+def sim_env(tmp_path, monkeypatch):
+    """A private FLWR_HOME / RAY_TMPDIR for a test that starts Flower's simulation engine,
+    with this checkout importable by the Ray workers."""
+    from tests.flower_harness import hermetic_env
+
+    for k, v in hermetic_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return tmp_path

@@ -1,20 +1,11 @@
 """Fed-SHVR end to end through Flower's real simulation engine (Ray backend), 3 SuperNodes."""
 import json
-import os
 
 import pytest
 
-from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+from tests.flower_harness import read_metrics, run_simulation_inprocess
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture()
-def sim_env(tmp_path, monkeypatch):
-    for k, v in hermetic_env(tmp_path).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return tmp_path
 
 
 def test_fedshvr_two_rounds_three_supernodes(sim_env):

@@ -1,25 +1,16 @@
 """Semi-SFL end to end through Flower's simulation engine (3 SuperNodes), and its
 no-clustering ablation through the same runtime in-process (LocalGrid, no Ray)."""
 import math
-import os
 
 import pytest
 
-from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+from tests.flower_harness import read_metrics, run_simulation_inprocess
 
 pytestmark = pytest.mark.e2e
 
 SMALL = {"server-labels": 100, "batch-size": 8, "seed": 1, "partition": "dirichlet", "partition-alpha": 0.1,
          "semisfl.k-s": 3, "semisfl.k-u": 2, "semisfl.labeled-batch-size": 16, "semisfl.proj-dim": 16,
          "semisfl.proj-hidden": 64, "semisfl.tau": 0.5}
-
-
-@pytest.fixture()
-def sim_env(tmp_path, monkeypatch):
-    for k, v in hermetic_env(tmp_path).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return tmp_path
 
 
 def test_semisfl_three_supernodes(sim_env):

@@ -1,20 +1,16 @@
 """UM-pFSSL end to end through Flower's real simulation engine (Ray backend), 3 SuperNodes."""
-import os
 
 import pytest
 
-from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+from tests.flower_harness import read_metrics, run_simulation_inprocess
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture()
-def sim_env(tmp_path, monkeypatch):
-    for k, v in hermetic_env(tmp_path).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def sim_env(sim_env, monkeypatch):  # noqa: F811 - the conftest fixture, single-threaded
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # tiny models; Ray workers inherit it
-    return tmp_path
+    return sim_env
 
 
 def test_umpfssl_three_supernodes(sim_env):
