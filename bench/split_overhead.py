@@ -1,4 +1,5 @@
-"""Per-exchange overhead of split learning over Flower messages (a benchmark, not a test).
+"""Per-exchange overhead of split learning over Flower messages and over the gRPC stream
+transport (a benchmark, not a test).
 
 The same SCALA rounds (same config, same seeds, same math) are run
 
@@ -10,11 +11,23 @@ The same SCALA rounds (same config, same seeds, same math) are run
   driven by ``flwr run``; every process is killed by PID at the end
   (``tests/deploy_harness.Deployment``).
 
-Per-exchange overhead = median wall time of one fused exchange via Flower minus the same in
-one process (``split-exchange-seconds / split-exchanges`` of the round metrics; client compute
-is inside both). Round 1 is excluded (Ray/actor start, one-time split-info). The simulation
-gets one ClientApp actor so that clients run one after the other, as in-process.
-It also reports the largest weight difference between the Flower run and the in-process run
+Each Flower runtime is run twice, with ``split-transport='message'`` (every exchange a Flower
+message) and ``split-transport='stream'`` (Flower messages start and end a client's round,
+the exchanges in between go over a gRPC stream hosted by the ServerApp).
+
+Per-exchange overhead = median wall time of one *inner* exchange (steps 2..I: neither the
+first, which carries the bottom, nor the last, which returns it) minus the same in one
+process (``split-inner-exchange-seconds / split-inner-exchanges``; client compute is inside
+both). Round 1 is excluded (Ray/actor start, one-time split-info). The round time compares
+whole rounds (Flower start/end messages included). The message-transport simulation gets one
+ClientApp actor so that clients run one after the other, as in-process; the stream transport
+needs all clients at once, so its simulation gets ``2 CPUs / nodes`` per client.
+
+``stream echo`` isolates the channel: the real StreamTransport and StreamClient in one
+process, clients that echo a frame of the activations' size back without computing; its
+per-exchange time is pure transport overhead (framing, gRPC, threads) for all nodes.
+
+It also reports the largest weight difference between each Flower run and the in-process run
 (the in-process run uses as many intra-op threads as the simulation's single ClientApp actor).
 
     python bench/split_overhead.py                       # simulation + in-process
@@ -36,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def config(args) -> dict:
-    return {"algo": "scala", "num-rounds": args.rounds, "scala.local-iterations": args.iters,
+def config(args, transport: str = "message") -> dict:
+    return {"algo": "scala", "split-transport": transport, "round-timeout": 300.0, "num-rounds": args.rounds, "scala.local-iterations": args.iters,
             "scala.total-batch": args.batch, "model": args.model, "seed": 0, "min-nodes": 2,
             "fraction-train": 1.0, "partition": "quantity", "partition-classes-per-client": 4}
 
@@ -52,8 +65,11 @@ def summarize(name: str, rows: list[dict], iters: int, seconds: float) -> dict:
         raise RuntimeError(f"{name}: no complete round (all skipped or with dropped nodes); see the log")
     later = [r for r in ok if r["round"] > 1] or ok
     per_ex = [r["split-exchange-seconds"] / r["split-exchanges"] for r in later]
+    inner = [r["split-inner-exchange-seconds"] / r["split-inner-exchanges"] for r in later
+             if r.get("split-inner-exchanges")]
     return {"name": name, "round_s": statistics.median(r["round-seconds"] for r in later),
-            "exchange_s": statistics.median(per_ex), "first_round_s": rows[0]["round-seconds"],
+            "exchange_s": statistics.median(per_ex), "inner_s": statistics.median(inner) if inner else float("nan"),
+            "first_round_s": rows[0]["round-seconds"],
             "wall_s": seconds, "exchanges_per_round": iters + 1,
             "bytes_per_round": rows[-1]["bytes.total"], "accuracy": rows[-1]["accuracy"]}
 
@@ -77,25 +93,90 @@ def run_local(cfg: dict, nodes: int, out: Path):
     return folder, time.time() - t0
 
 
-def run_sim(cfg: dict, nodes: int, out: Path):
+def run_sim(cfg: dict, nodes: int, out: Path, name: str):
     from flower_apps.simulate import fused_run_config, run_simulation_inprocess
 
-    full = {**fused_run_config(None), "results-dir": str(out), "run-name": "simulation", **cfg}
+    full = {**fused_run_config(None), "results-dir": str(out), "run-name": name, **cfg}
+    cpus = float(os.cpu_count() or 1)
+    if cfg["split-transport"] == "message":
+        client_cpus = cpus  # one ClientApp actor: clients run one after the other, as in-process
+    else:
+        client_cpus = cpus / nodes  # every client of the round at once (the stream needs it)
     t0 = time.time()
-    # one ClientApp actor (all CPUs to it): clients run one after the other, as in-process
-    folder = run_simulation_inprocess(full, nodes, client_cpus=float(os.cpu_count() or 1))
+    folder = run_simulation_inprocess(full, nodes, client_cpus=client_cpus)
     return folder, time.time() - t0
 
 
-def run_deploy(cfg: dict, nodes: int, out: Path, poll: float):
-    from tests.deploy_harness import Deployment
+def run_deploy(dep, cfg: dict, name: str):
+    t0 = time.time()
+    res = dep.run(cfg, name, timeout=3600)
+    if res.proc.returncode != 0 or not (res.folder / "metrics.jsonl").exists():
+        raise RuntimeError("deployment run failed:\n" + res.output[-3000:])
+    return res.folder, time.time() - t0
 
-    with Deployment(out / "deploy", num_nodes=nodes, poll_interval=poll) as dep:
-        t0 = time.time()
-        res = dep.run(cfg, "deployment", timeout=3600)
-        if res.proc.returncode != 0 or not (res.folder / "metrics.jsonl").exists():
-            raise RuntimeError("deployment run failed:\n" + res.output[-3000:])
-        return res.folder, time.time() - t0
+
+def _echo_client(address, token, node, cert, shape, reps) -> None:
+    import numpy as np
+
+    from split_layer.stream import StreamClient
+
+    c = StreamClient(address, token, node, cert, 60.0, frames=reps + 1)
+    c.send({"step": 1}, {"act": np.zeros(shape, np.float32)})
+    for step in range(2, reps + 3):
+        h, t = c.recv()
+        if step <= reps + 1:
+            c.send({"step": step}, {"act": t["g"]})
+    c.close()
+
+
+def stream_echo(nodes: int, shape: tuple[int, ...], reps: int) -> float:
+    """Median seconds of one exchange (a frame of ``shape`` float32 to every node and back) over
+    the real StreamTransport (this process) and StreamClients (one process each) that echo
+    without computing."""
+    import numpy as np
+
+    from split_layer.stream import STREAM_KEYS, StreamClient, StreamOptions, StreamTransport
+    from split_layer.transport import Envelope, LocalGrid, reply
+
+    class Owner:  # the few strategy methods the transport uses
+        info: dict = {}
+        dropped: list = []
+
+        def base_content(self, server_round, **config):
+            from flwr.app import ConfigRecord, RecordDict
+            return RecordDict({"config": ConfigRecord(config)})
+
+        def _drop(self, node, why):
+            raise RuntimeError(f"echo bench: node {node} dropped: {why}")
+
+    def echo(msg, context):  # the ClientApp side runs in its own process, as in any Flower runtime
+        import multiprocessing as mp
+
+        cfg = dict(msg.content.config_records["config"])
+        p = mp.get_context("spawn").Process(target=_echo_client, args=(
+            cfg[STREAM_KEYS["address"]], cfg[STREAM_KEYS["token"]], int(cfg[STREAM_KEYS["node"]]),
+            cfg[STREAM_KEYS["cert"]], shape, reps))
+        p.start()
+        p.join(120)
+        return reply(msg, Envelope(arrays={"bottom": {}}))
+
+    grid = LocalGrid(nodes, echo, threaded=True)
+    tr = StreamTransport(Owner(), grid, StreamOptions(timeout=60.0))
+    ids = grid.get_node_ids()
+    g = {"g": np.ones(shape, np.float32)}
+    tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": reps + 1}) for n in ids})
+    times = []
+    for step in range(2, reps + 2):
+        t0 = time.perf_counter()
+        got = tr.exchange(1, "split", {n: Envelope(tensors=g, config={"split-step": step, "split-iters": reps + 1})
+                                       for n in ids})
+        times.append(time.perf_counter() - t0)
+        assert len(got) == nodes
+    tr.exchange(1, "split", {n: Envelope(tensors=g, config={"split-step": reps + 2, "split-iters": reps + 1})
+                             for n in ids})
+    tr.close()
+    grid.join()
+    return statistics.median(times)
 
 
 def max_weight_diff(a: Path, b: Path) -> float:
@@ -114,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--deployment", action="store_true", help="also run a local SuperLink + SuperNodes")
     ap.add_argument("--deploy-rounds", type=int, default=2)
-    ap.add_argument("--deploy-iters", type=int, default=2)
+    ap.add_argument("--deploy-iters", type=int, default=4)
     ap.add_argument("--poll", type=float, default=0.05, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (deployment)")
     ap.add_argument("--out", default="", help="work folder (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -124,38 +205,57 @@ def main(argv=None) -> int:
     os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
     cfg = config(args)
 
-    results = []
-    local_folder, t = run_local(cfg, args.nodes, out)
-    local = summarize("in-process (LocalGrid)", rows_of(local_folder), args.iters, t)
-    results.append(local)
-    sim_folder, t = run_sim(cfg, args.nodes, out)
-    sim = summarize("Flower simulation (Ray)", rows_of(sim_folder), args.iters, t)
-    sim["max_weight_diff_vs_local"] = max_weight_diff(sim_folder, local_folder)
-    results.append(sim)
+    results, pairs = [], []
+
+    def measure(name, folder, seconds, base_folder, iters):
+        r = summarize(name, rows_of(folder), iters, seconds)
+        if base_folder is not None:
+            r["max_weight_diff_vs_local"] = max_weight_diff(folder, base_folder)
+        results.append(r)
+        return r
+
+    local_folder, t = run_local(config(args), args.nodes, out)
+    local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)
+    for tr in ("message", "stream"):
+        folder, t = run_sim(config(args, tr), args.nodes, out, f"simulation-{tr}")
+        pairs.append((local, measure(f"simulation, {tr}", folder, t, local_folder, args.iters), args.iters))
     if args.deployment:
-        dcfg = {**cfg, "num-rounds": args.deploy_rounds, "scala.local-iterations": args.deploy_iters}
-        dlocal_folder, t = run_local(dcfg, args.nodes, out / "dlocal")
-        dlocal = summarize("in-process, deployment config", rows_of(dlocal_folder), args.deploy_iters, t)
-        dep_folder, t = run_deploy(dcfg, args.nodes, out, args.poll)
-        dep = summarize("Flower deployment (loopback)", rows_of(dep_folder), args.deploy_iters, t)
-        dep["max_weight_diff_vs_local"] = max_weight_diff(dep_folder, dlocal_folder)
-        results += [dlocal, dep]
+        from tests.deploy_harness import Deployment
+
+        dcfg = {"num-rounds": args.deploy_rounds, "scala.local-iterations": args.deploy_iters}
+        dlocal_folder, t = run_local({**config(args), **dcfg}, args.nodes, out / "dlocal")
+        dlocal = measure("in-process, deployment config", dlocal_folder, t, None, args.deploy_iters)
+        dsim = {}
+        for tr in ("message", "stream"):
+            folder, t = run_sim({**config(args, tr), **dcfg}, args.nodes, out / "dsim", f"dsim-{tr}")
+            dsim[tr] = measure(f"simulation, {tr}, depl. config", folder, t, dlocal_folder, args.deploy_iters)
+        with Deployment(out / "deploy", num_nodes=args.nodes, poll_interval=args.poll) as dep:
+            for tr in ("message", "stream"):
+                folder, t = run_deploy(dep, {**config(args, tr), **dcfg}, f"deployment-{tr}")
+                r = measure(f"deployment, {tr}", folder, t, dlocal_folder, args.deploy_iters)
+                r["round_vs_simulation"] = r["round_s"] / dsim[tr]["round_s"]
+                pairs.append((dlocal, r, args.deploy_iters))
+    act = (args.batch // args.nodes, 32, 14, 14) if args.model == "cnn" else (args.batch // args.nodes, 128)
+    echo_s = stream_echo(args.nodes, act, 20)
 
     print(f"\nsplit overhead: scala, {args.nodes} nodes, model={args.model}, B={args.batch}; medians over "
-          f"rounds 2..R (round 1 has startup); an exchange = one fused message to every node and back, "
-          f"client compute included; clients run one at a time in every runtime but deployment")
-    print(f"{'runtime':32s} {'I':>3s} {'round s':>8s} {'exch/rnd':>8s} {'s/exch':>8s} {'overhead ms/exch':>17s} "
-          f"{'ratio':>6s} {'max |dw|':>9s}")
-    pairs = [(local, sim, args.iters)]
-    if args.deployment:
-        pairs.append((results[2], results[3], args.deploy_iters))
+          f"rounds 2..R (round 1 has startup). An exchange = gradients to every node and their next "
+          f"activations back, client compute included; 'inner' = steps 2..I only.")
+    print(f"{'runtime, transport':34s} {'I':>3s} {'round s':>8s} {'s/inner exch':>12s} {'overhead ms':>12s} "
+          f"{'ratio':>6s} {'round/sim':>9s} {'max |dw|':>9s}")
+    shown = set()
     for base, r, iters in pairs:
-        over = (r["exchange_s"] - base["exchange_s"]) * 1000
-        ratio = r["exchange_s"] / base["exchange_s"]
-        print(f"{base['name']:32s} {iters:3d} {base['round_s']:8.2f} {base['exchanges_per_round']:8d} "
-              f"{base['exchange_s']:8.3f}")
-        print(f"{r['name']:32s} {iters:3d} {r['round_s']:8.2f} {r['exchanges_per_round']:8d} {r['exchange_s']:8.3f} "
-              f"{over:17.1f} {ratio:6.1f} {r['max_weight_diff_vs_local']:9.2e}")
+        if base["name"] not in shown:
+            shown.add(base["name"])
+            print(f"{base['name']:34s} {iters:3d} {base['round_s']:8.2f} {base['inner_s']:12.4f}")
+        over = (r["inner_s"] - base["inner_s"]) * 1000
+        ratio = r["inner_s"] / base["inner_s"]
+        rs = f"{r['round_vs_simulation']:9.2f}" if "round_vs_simulation" in r else f"{'':9s}"
+        print(f"{r['name']:34s} {iters:3d} {r['round_s']:8.2f} {r['inner_s']:12.4f} {over:12.1f} {ratio:6.2f} "
+              f"{rs} {r['max_weight_diff_vs_local']:9.2e}")
+    print(f"stream echo (no compute), {args.nodes} nodes, float32{list(act)} each way: "
+          f"{echo_s * 1000:.2f} ms per exchange")
+    results.append({"name": "stream echo", "exchange_s": echo_s, "shape": list(act)})
     (out / "split_overhead.json").write_text(json.dumps(results, indent=1))
     print(f"\nraw numbers: {out / 'split_overhead.json'}")
     return 0

@@ -27,12 +27,28 @@ class AppConfig:
     results_dir: str = knob("results", help="parent folder of run folders; relative paths resolve against $FLOWER_SSL_HOME, else the ServerApp working directory (the folder the local SuperLink was started from)")
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")
+    split_transport: str = knob("message", choices=("message", "stream"),
+                                help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
+                                     "gRPC stream the ServerApp hosts per round (Flower still starts and ends each "
+                                     "client's round); see docs/split.md")
+    split_stream_host: str = knob("127.0.0.1", help="stream transport: address the ServerApp binds ('0.0.0.0' to "
+                                                    "accept remote SuperNodes; then set split-stream-advertise)")
+    split_stream_advertise: str = knob("", help="stream transport: address SuperNodes connect to ('' = "
+                                                "split-stream-host)")
+    split_stream_port: int = knob(0, lo=0, hi=65535, help="stream transport: port (0 = an ephemeral port per round)")
+    split_stream_tls: str = knob("auto", choices=("auto", "on", "off"),
+                                 help="stream transport: TLS with a per-run self-signed certificate shipped in the "
+                                      "Flower start message; auto = on unless split-stream-host is a loopback address")
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():
             raise ConfigError(f"algo={self.algo!r} is not one of: {', '.join(algorithm_names())}")
         if self.resume and not self.run_name:
             raise ConfigError("resume=true needs run-name='<the run folder to continue>'")
+        if self.split_transport == "stream" and self.split_stream_host in ("0.0.0.0", "::", "") \
+                and not self.split_stream_advertise:
+            raise ConfigError(f"split-stream-host={self.split_stream_host!r} binds every interface; set "
+                              f"split-stream-advertise to the address SuperNodes reach the ServerApp at")
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run-name={self.run_name!r} must be a plain folder name (no '/'); "
                               f"put the parent folder in results-dir")
@@ -71,6 +87,14 @@ def parse_run_config(raw: dict[str, Any]) -> ParsedConfig:
         if any(k.startswith(ns + ".") for k in flat):
             spec.parse_config(flat)
     spec = get_algorithm(app.algo)
+    if app.split_transport != "message":
+        from split_layer.runtime import SplitStrategy
+
+        if not issubclass(spec.strategy_cls, SplitStrategy):
+            split_algos = [n for n in algorithm_names() if issubclass(get_algorithm(n).strategy_cls, SplitStrategy)]
+            raise ConfigError(f"split-transport={app.split_transport!r} applies to split algorithms only "
+                              f"({', '.join(split_algos)}); algo={app.algo!r} exchanges whole models over "
+                              f"Flower messages: drop the key or set split-transport='message'")
     algo_cfg = spec.parse_config(flat)
     return ParsedConfig(app, task, spec, algo_cfg)
 

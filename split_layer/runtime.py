@@ -27,14 +27,18 @@ Byte accounting (raw tensor bytes, ``numel * itemsize``; no framing): ``bytes.we
 ``bytes.<stream_kind(name, dir)>.<dir>`` -- by default ``labels`` for a stream named
 ``labels``, ``activations`` for other uploads and ``gradients`` for downloads;
 ``bytes.histogram.up`` for the one-time label histograms. Timing: ``split-exchanges`` and
-``split-exchange-seconds`` (wall time spent in the fused exchanges, client compute included).
+``split-exchange-seconds`` (wall time spent in the fused exchanges, client compute included),
+and ``split-inner-exchanges``/``-seconds`` for steps 2..I only (neither the round's first
+exchange, which carries the bottom, nor the last, which returns it).
 
-The transport is :class:`split_layer.transport.FlowerTransport` unless ``make_transport``
-is overridden: algorithms never touch the grid.
+The transport is :class:`split_layer.transport.FlowerTransport`, or
+:class:`split_layer.stream.StreamTransport` with ``split-transport='stream'`` (or whatever an
+overridden ``make_transport`` returns): algorithms never touch the grid.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from logging import WARNING
 from typing import Any
@@ -88,6 +92,14 @@ class SplitStrategy(SSLStrategy):
         raise NotImplementedError
 
     def make_transport(self, grid: Grid) -> Transport:
+        """``policy.split_transport``: Flower messages (default) or the gRPC stream (issue 9)."""
+        if self.policy.split_transport == "stream":
+            from .stream import StreamOptions, StreamTransport
+
+            opts = dataclasses.replace(self.policy.stream or StreamOptions(), timeout=self.policy.round_timeout)
+            return StreamTransport(self, grid, opts)
+        if self.policy.split_transport != "message":
+            raise ValueError(f"split-transport={self.policy.split_transport!r} is not one of: message, stream")
         return FlowerTransport(self, grid)
 
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
@@ -164,11 +176,17 @@ class SplitStrategy(SSLStrategy):
                 continue
             self.meter.add("histogram", "up", hist.nbytes)
             self.info[n] = {"partition": int(env.config["partition-id"]), "n": int(env.config["num-examples"]),
-                            "hist": hist}
+                            "hist": hist, "concurrency": int(env.config.get("concurrency", 0))}
 
     # ------------------------------------------------------------------ the round
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         transport = self.make_transport(grid)
+        try:
+            return self._run_round(server_round, grid, transport)
+        finally:
+            transport.close()
+
+    def _run_round(self, server_round: int, grid: Grid, transport: Transport) -> dict[str, Any]:
         sampled = self.sample_nodes(grid, server_round)
         self.fetch_info(transport, server_round, sampled)
         alive = self.order([n for n in sampled if n in self.info])
@@ -192,7 +210,11 @@ class SplitStrategy(SSLStrategy):
             t0 = time.perf_counter()
             replies = transport.exchange(server_round, "split", msgs)
             out["split-exchanges"] = out.get("split-exchanges", 0) + 1
-            out["split-exchange-seconds"] = out.get("split-exchange-seconds", 0.0) + time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            out["split-exchange-seconds"] = out.get("split-exchange-seconds", 0.0) + dt
+            if 1 < step <= iters:  # the exchanges inside the round (no round start or end)
+                out["split-inner-exchanges"] = out.get("split-inner-exchanges", 0) + 1
+                out["split-inner-exchange-seconds"] = out.get("split-inner-exchange-seconds", 0.0) + dt
             good: dict[int, Envelope] = {}
             for n in alive:
                 if n not in replies:

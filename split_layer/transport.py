@@ -20,6 +20,7 @@ base strategy plus the envelope's config), ``metrics`` (MetricRecord, replies).
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -59,6 +60,9 @@ class Transport(ABC):
         Nodes that fail (error reply, timeout) are absent from the result; the transport
         records them as dropped and logs why.
         """
+
+    def close(self) -> None:
+        """End of the round (also after a skipped or failed round): release what the transport holds."""
 
 
 def _np_record(d: dict[str, np.ndarray]) -> ArrayRecord:
@@ -126,10 +130,12 @@ class LocalGrid:
     node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
     like the simulation engine); an exception becomes an error reply, as in Flower.
     ``fail_nodes`` makes the listed nodes never answer (to test timeouts).
+    ``threaded=True`` runs each message's handler in its own thread (the stream transport
+    needs every sampled node active at once, as Flower's runtimes provide).
     """
 
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
-                 run_config: dict | None = None, first_node_id: int = 1001) -> None:
+                 run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -147,6 +153,8 @@ class LocalGrid:
         self.fail_nodes: set[int] = set()
         self._replies: dict[str, Message] = {}
         self.pushed = 0
+        self.threaded = threaded
+        self._threads: list[threading.Thread] = []
 
     def get_node_ids(self) -> list[int]:
         return sorted(self.contexts)
@@ -161,12 +169,25 @@ class LocalGrid:
             node = m.metadata.dst_node_id
             if node in self.fail_nodes:
                 continue
-            try:
-                r = self.handler(m, self.contexts[node])
-            except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
-                r = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)
-            self._replies[mid] = r
+            if self.threaded:
+                t = threading.Thread(target=self._handle, args=(mid, m, node), daemon=True)
+                self._threads.append(t)
+                t.start()
+            else:
+                self._handle(mid, m, node)
         return ids
+
+    def _handle(self, mid: str, m: Message, node: int) -> None:
+        try:
+            r = self.handler(m, self.contexts[node])
+        except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
+            r = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)
+        self._replies[mid] = r
+
+    def join(self, timeout: float = 30.0) -> None:
+        """Wait for the handler threads (threaded mode)."""
+        for t in self._threads:
+            t.join(timeout)
 
     def pull_messages(self, message_ids) -> list[Message]:
         out = [self._replies.pop(i) for i in list(message_ids) if i in self._replies]

@@ -46,13 +46,19 @@ def check_tensor(name: str, x: np.ndarray | torch.Tensor, spec: TensorSpec, wher
             f"stream '{name}'{at}: shape {tuple(x.shape)} != expected {tuple(spec.shape)}")
     if _dtype_name(x) != spec.dtype:
         raise SplitValidationError(f"stream '{name}'{at}: dtype {_dtype_name(x)} != expected {spec.dtype}")
-    t = torch.as_tensor(x)
-    if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+    if isinstance(x, np.ndarray):  # numpy all the way (also read-only frames decoded in place)
+        floating, numel = np.issubdtype(x.dtype, np.floating), x.size
+        finite = (lambda: np.isfinite(x))
+    else:
+        floating, numel = x.is_floating_point(), x.numel()
+        finite = (lambda: torch.isfinite(x))
+    if floating:
+        ok = finite()
+        if not bool(ok.all()):
+            bad = int((~ok).sum())
             raise SplitValidationError(f"stream '{name}'{at}: {bad} NaN/Inf value(s); rejected, not applied")
-    elif t.numel() and (spec.lo is not None or spec.hi is not None):
-        lo, hi = int(t.min()), int(t.max())
+    elif numel and (spec.lo is not None or spec.hi is not None):
+        lo, hi = int(x.min()), int(x.max())
         if (spec.lo is not None and lo < spec.lo) or (spec.hi is not None and hi >= spec.hi):
             raise SplitValidationError(
                 f"stream '{name}'{at}: values in [{lo}, {hi}] outside [{spec.lo}, {spec.hi})")

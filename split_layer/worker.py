@@ -37,6 +37,7 @@ server's drop-and-continue path.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,15 +51,31 @@ from strategies.common import (ALGO_KEY, CONFIG_KEY, Env, client_env, derive_see
 from tasks.data import ArrayDataset
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
+from .stream import STREAM_KEYS, StreamClient, simulation_concurrency
 from .transport import Envelope, envelope_from_message, reply
 from .validation import SplitValidationError, TensorSpec, check_tensor
 
 __all__ = ["SplitClientHooks", "Worker", "make_split_handlers", "step_batch", "forward_seed",
-           "STATE_BOTTOM", "STATE_OPT", "STATE_META"]
+           "STATE_BOTTOM", "STATE_OPT", "STATE_META", "COMPUTE_LOCK"]
 
 STATE_BOTTOM = "split.bottom"
 STATE_OPT = "split.opt"
 STATE_META = "split.meta"
+# Forward passes and optimizer steps of all nodes served by one process run one at a time:
+# they seed torch's global RNG (augmentation, dropout), so concurrent nodes in threads (the
+# in-process LocalGrid with the stream transport) would otherwise draw each other's numbers.
+# A real ClientApp process serves one node, so the lock is never contended there.
+COMPUTE_LOCK = threading.RLock()
+
+
+@contextmanager
+def _released(lock):
+    """Give ``lock`` (held once by this thread) up while waiting on the network."""
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
 
 
 class SplitProtocolError(RuntimeError):
@@ -121,6 +138,7 @@ class Worker:
     algo: dict[str, Any] = field(default_factory=dict)   # the algorithm's flat config
     config: dict[str, Any] = field(default_factory=dict)  # this message's config
     optimizer: torch.optim.Optimizer | None = None
+    recomputing: bool = False   # inside the message path's second forward pass (streams not sent)
 
     @property
     def partition(self) -> int:
@@ -146,7 +164,15 @@ class SplitClientHooks:
         """Step 1: read algorithm extras (e.g. a teacher bottom) into ``w.state``."""
 
     def forward(self, w: Worker, xb: torch.Tensor, yb: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
-        """Named streams of one step. Runs under a fixed seed; twice (no-grad, then with grad)."""
+        """Named streams of one step, under a fixed seed.
+
+        Message transport: run twice, without a graph (the streams sent) and again with a
+        graph (``w.recomputing``; only the streams that receive gradients matter). Stream
+        transport: run once with a graph, and those streams are sent. Streams that never
+        receive gradients (e.g. a teacher's features) should be computed under
+        ``torch.no_grad()`` and may be skipped when ``w.recomputing``; draw random numbers
+        in the same order in every pass.
+        """
         return {"act": w.bottom(w.env.augmenter.weak(xb)), "labels": yb}
 
     def after_step(self, w: Worker, step: int) -> None:
@@ -207,41 +233,105 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                       int(cfg.get("split-batch", 0)), context.state, algo, cfg)
 
     def info(msg: Message, context: Context) -> Message:
+        with COMPUTE_LOCK:
+            return _info(msg, context)
+
+    def _info(msg: Message, context: Context) -> Message:
         cfg = dict(msg.content.config_records[CONFIG_KEY])
         w = _worker(msg, context, cfg)
         data = hooks.data(w)
         hist = np.asarray(hooks.label_histogram(w, data), dtype=np.int64)
         return reply(msg, Envelope(tensors={"histogram": hist},
                                    config={"partition-id": w.partition, "num-examples": int(len(data)),
-                                           **hooks.info(w)}))
+                                           "concurrency": simulation_concurrency(), **hooks.info(w)}))
 
-    def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool) -> dict[str, torch.Tensor]:
+    def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool,
+                    recompute: bool = False) -> dict[str, torch.Tensor]:
+        """The forward pass of ``step``: ``grad`` keeps a graph; ``recompute`` marks the message
+        path's second pass (its streams are not sent again, only backpropagated)."""
         idx = step_batch(len(data), w.batch_size, step, batch_seed(w.env.task.seed, w.rnd, w.partition))
         xb, yb = to_device_batch(data, idx, w.env.device)
-        with seeded(forward_seed(w.env.task.seed, w.rnd, w.partition, step), w.env.device):
-            if grad:
-                return hooks.forward(w, xb, yb, step)
-            with torch.no_grad():
-                return hooks.forward(w, xb, yb, step)
+        with COMPUTE_LOCK, seeded(forward_seed(w.env.task.seed, w.rnd, w.partition, step), w.env.device):
+            w.recomputing = recompute
+            try:
+                if grad:
+                    return hooks.forward(w, xb, yb, step)
+                with torch.no_grad():
+                    return hooks.forward(w, xb, yb, step)
+            finally:
+                w.recomputing = False
 
-    def split(msg: Message, context: Context) -> Message:
-        cfg = dict(msg.content.config_records[CONFIG_KEY])
-        step = int(cfg["split-step"])
-        w = _worker(msg, context, cfg)
+    def begin(w: Worker, incoming: Envelope, st: RecordDict) -> None:
+        """Step 1 (both transports): load the bottom, reset this node's split state, optimizer, hooks."""
+        if "bottom" not in incoming.arrays:
+            raise SplitProtocolError("split-step 1 carries no 'bottom' weights")
+        load_bottom_state(w.model, {k: torch.from_numpy(v.copy()) for k, v in incoming.arrays["bottom"].items()},
+                          w.cut)
+        for k in [k for k in st.keys() if k.startswith("split.")]:
+            del st[k]
+        w.optimizer = hooks.make_optimizer(w)
+        hooks.begin(w, incoming)
+
+    def apply(w: Worker, outs: dict[str, torch.Tensor], grads: dict[str, np.ndarray], step: int,
+              restore: dict[str, torch.Tensor] | None = None) -> None:
+        """Backpropagate the received gradients of ``step`` through ``outs`` (its graph); one SGD step.
+
+        ``restore``: buffer values to put back after the backward pass (the message path's
+        recomputation must not update BatchNorm statistics a second time; BatchNorm's
+        backward still needs the buffers it saw, so they are restored only afterwards).
+        """
+        if not grads:
+            raise SplitValidationError(f"no gradients received for step {step}")
+        tensors, grad_ts = [], []
+        for name, g in grads.items():
+            if name not in outs or not outs[name].requires_grad:
+                raise SplitValidationError(
+                    f"gradient for stream '{name}' (partition {w.partition}, step {step}), but that "
+                    f"stream was not sent with a graph; streams with a graph: "
+                    f"{sorted(k for k, v in outs.items() if v.requires_grad)}")
+            check_tensor(name, g, TensorSpec(tuple(outs[name].shape), str(outs[name].dtype).replace("torch.", "")),
+                         f"gradient, partition {w.partition}, step {step}")
+            tensors.append(outs[name])
+            grad_ts.append(torch.from_numpy(np.array(g)).to(outs[name].device))
+        with COMPUTE_LOCK:
+            w.optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward(tensors, grad_ts)
+            if restore is not None:
+                with torch.no_grad():
+                    for n, b in w.bottom.named_buffers():
+                        b.copy_(restore[n])
+            w.optimizer.step()
+            hooks.after_step(w, step)
+
+    def final_envelope(w: Worker, data: ArrayDataset, st: RecordDict) -> Envelope:
+        final = hooks.end(w)
+        arrays = {"bottom": {k: _to_numpy(v) for k, v in bottom_state(w.model, w.cut).items()}, **final.arrays}
+        metrics = {"num-examples": float(len(data)), "batch-size": float(w.batch_size),
+                   "steps": float(w.iters), **final.metrics}
+        for k in [k for k in st.keys() if k.startswith("split.")]:
+            del st[k]
+        return Envelope(arrays=arrays, metrics=metrics, config=final.config)
+
+    def check_fault(w: Worker, step: int) -> None:
         if int(w.algo.get("fault-partition", -1)) == w.partition and int(w.algo.get("fault-step", 0)) == step:
             raise RuntimeError(f"fault injection: partition {w.partition} fails at split-step {step} "
                                "(fault-partition/fault-step knobs; testing only)")
+
+    def split(msg: Message, context: Context) -> Message:
+        with COMPUTE_LOCK:  # model building draws from the global RNG too
+            return _split(msg, context)
+
+    def _split(msg: Message, context: Context) -> Message:
+        cfg = dict(msg.content.config_records[CONFIG_KEY])
+        step = int(cfg["split-step"])
+        w = _worker(msg, context, cfg)
+        check_fault(w, step)
         incoming = envelope_from_message(msg)
         st = context.state
+        if step == 1 and STREAM_KEYS["address"] in cfg:
+            return reply(msg, stream_round(w, incoming, cfg, st))
         if step == 1:
-            if "bottom" not in incoming.arrays:
-                raise SplitProtocolError("split-step 1 carries no 'bottom' weights")
-            load_bottom_state(w.model, {k: torch.from_numpy(v.copy()) for k, v in incoming.arrays["bottom"].items()},
-                              w.cut)
-            for k in [k for k in st.keys() if k.startswith("split.")]:
-                del st[k]
-            w.optimizer = hooks.make_optimizer(w)
-            hooks.begin(w, incoming)
+            begin(w, incoming, st)
         else:
             meta = st.get(STATE_META)
             if meta is None or int(meta["round"]) != w.rnd or int(meta["next-step"]) != step:
@@ -259,29 +349,11 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         data = hooks.data(w)
 
         if step > 1:  # apply the gradients of step-1 on the recomputed forward pass
-            grads = incoming.tensors
-            if not grads:
+            if not incoming.tensors:
                 raise SplitValidationError(f"split-step {step}: no gradients received for step {step - 1}")
             saved = {n: b.detach().clone() for n, b in w.bottom.named_buffers()}
-            outs = run_forward(w, data, step - 1, grad=True)
-            tensors, grad_ts = [], []
-            for name, g in grads.items():
-                if name not in outs or not outs[name].requires_grad:
-                    raise SplitValidationError(
-                        f"gradient for stream '{name}' (partition {w.partition}, step {step - 1}), but that "
-                        f"stream was not sent with a graph; streams with a graph: "
-                        f"{sorted(k for k, v in outs.items() if v.requires_grad)}")
-                check_tensor(name, g, TensorSpec(tuple(outs[name].shape), str(outs[name].dtype).replace("torch.", "")),
-                             f"gradient, partition {w.partition}, step {step - 1}")
-                tensors.append(outs[name])
-                grad_ts.append(torch.from_numpy(g.copy()).to(outs[name].device))
-            w.optimizer.zero_grad(set_to_none=True)
-            torch.autograd.backward(tensors, grad_ts)
-            with torch.no_grad():  # BN running statistics: updated once, by the first pass
-                for n, b in w.bottom.named_buffers():
-                    b.copy_(saved[n])
-            w.optimizer.step()
-            hooks.after_step(w, step - 1)
+            outs = run_forward(w, data, step - 1, grad=True, recompute=True)
+            apply(w, outs, incoming.tensors, step - 1, restore=saved)  # BN statistics: updated once
 
         if step <= w.iters:
             outs = run_forward(w, data, step, grad=False)
@@ -290,13 +362,43 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
             st[STATE_META] = ConfigRecord({"round": w.rnd, "next-step": step + 1, "iters": w.iters,
                                            "batch": w.batch_size})
             return reply(msg, Envelope(tensors={k: _to_numpy(v) for k, v in outs.items()}))
+        return reply(msg, final_envelope(w, data, st))
 
-        final = hooks.end(w)
-        arrays = {"bottom": {k: _to_numpy(v) for k, v in bottom_state(w.model, w.cut).items()}, **final.arrays}
-        metrics = {"num-examples": float(len(data)), "batch-size": float(w.batch_size),
-                   "steps": float(w.iters), **final.metrics}
-        for k in [k for k in st.keys() if k.startswith("split.")]:
-            del st[k]
-        return reply(msg, Envelope(arrays=arrays, metrics=metrics, config=final.config))
+    def stream_round(w: Worker, incoming: Envelope, cfg: dict[str, Any], st: RecordDict) -> Envelope:
+        """The whole round over the split stream (see :mod:`split_layer.stream`).
+
+        One forward pass per step, with a graph that is kept until the step's gradients
+        arrive (BatchNorm statistics are therefore updated once, as in the message path).
+        """
+        begin(w, incoming, st)
+        if w.batch_size < 1 or w.iters < 1:
+            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
+        data = hooks.data(w)
+        with _released(COMPUTE_LOCK):
+            client = StreamClient(str(cfg[STREAM_KEYS["address"]]), str(cfg[STREAM_KEYS["token"]]),
+                                  int(cfg[STREAM_KEYS["node"]]), str(cfg.get(STREAM_KEYS["cert"], "")),
+                                  float(cfg.get(STREAM_KEYS["timeout"], 600.0)), frames=w.iters)
+        try:
+            outs = run_forward(w, data, 1, grad=True)
+            client.send({"step": 1}, {k: _to_numpy(v) for k, v in outs.items()})
+            for step in range(2, w.iters + 2):
+                with _released(COMPUTE_LOCK):
+                    header, grads = client.recv()
+                if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
+                    raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
+                check_fault(w, step)
+                apply(w, outs, grads, step - 1)
+                if step <= w.iters:
+                    outs = run_forward(w, data, step, grad=True)
+                    client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
+        except Exception as e:
+            try:  # tell the server why, then fail the Flower message as well
+                client.send({"error": f"{type(e).__name__}: {e}"[:1000]}, {})
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        finally:
+            client.close()
+        return final_envelope(w, data, st)
 
     return {"split": split, "split-info": info}

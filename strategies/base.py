@@ -48,6 +48,8 @@ class RoundPolicy:
     min_nodes: int = 2
     round_timeout: float = 600.0
     wait_for_nodes: float = 300.0
+    split_transport: str = "message"   # split algorithms: "message" or "stream" (split_layer.stream)
+    stream: Any = None                 # split_layer.stream.StreamOptions for "stream" (None = defaults)
 
 
 class ByteMeter:

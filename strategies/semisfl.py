@@ -659,10 +659,11 @@ class SemiSFLClientHooks(SplitClientHooks):
     def forward(self, w: Worker, xb: torch.Tensor, yb: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         aug = w.env.augmenter
         out = {STUDENT: w.bottom(aug.strong(xb))}   # drawn first: identical in the recomputed pass
-        if torch.is_grad_enabled():
+        if w.recomputing:
             return out  # the recomputation for the backward pass needs the student stream only
         teacher = self._teacher(w).eval()
-        out[TEACHER] = teacher(aug.weak(xb))
+        with torch.no_grad():
+            out[TEACHER] = teacher(aug.weak(xb))
         if bool(w.algo.get("hidden-label-metrics", False)):
             out[HIDDEN_LABELS] = yb  # METRICS ONLY (simulation); never used in a loss
         return out

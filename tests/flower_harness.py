@@ -38,13 +38,13 @@ def hermetic_env(tmp: Path) -> dict[str, str]:
 
 
 def run_simulation_inprocess(run_config: dict[str, Any], results_dir: Path, num_supernodes: int = 3,
-                             run_name: str = "run") -> Path:
+                             run_name: str = "run", client_cpus: float = 1.0) -> Path:
     """The app's defaults + ``run_config``, run in Flower's simulation engine in this process."""
     from flower_apps.simulate import fused_run_config, run_simulation_inprocess as sim
 
     cfg = {**fused_run_config(None), "results-dir": str(results_dir), "run-name": run_name,
            "round-timeout": 300.0, **run_config}
-    return sim(cfg, num_supernodes)
+    return sim(cfg, num_supernodes, client_cpus=client_cpus)
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,10 @@ SHORT: dict[str, dict] = {
     "fedavg": {"local-steps": 3},
     "ssfl": {"local-steps": 3, "server-labels": 100, "batch-size": 16},
     "scala": {"scala.local-iterations": 1, "scala.total-batch": 48},
+    # the split algorithm again over the gRPC stream transport (issue 9): 3 iterations
+    # stream, Flower starts and ends the round; with TLS the stream is encrypted as well
+    "scala-stream": {"algo": "scala", "scala.local-iterations": 3, "scala.total-batch": 48,
+                     "split-transport": "stream"},
 }
 
 
@@ -32,7 +36,7 @@ def available(names):
 
 
 # the issue asks for ssfl and scala; fedavg stands in when neither is registered
-ALGOS = available(["ssfl", "scala"]) or ["fedavg"]
+ALGOS = (available(["ssfl", "scala"]) + (["scala-stream"] if available(["scala"]) else [])) or ["fedavg"]
 COMMON = {"num-rounds": 1, "round-timeout": 600.0, "seed": 1}
 
 
@@ -52,12 +56,15 @@ def test_flwr_run_against_real_superlink(deployment, algo):
     dep = deployment
     mode = "tls" if dep.tls else "insecure"
     cfg = {**COMMON, "algo": algo, **SHORT[algo], "results-dir": "results"}  # relative on purpose
-    res = dep.run(cfg, f"{algo}-{mode}", timeout=900)
+    if cfg.get("split-transport") == "stream" and dep.tls:
+        cfg["split-stream-tls"] = "on"  # loopback would be plaintext under 'auto'
+    case, algo = algo, cfg["algo"]
+    res = dep.run(cfg, f"{case}-{mode}", timeout=900)
     assert res.proc.returncode == 0, (res.output[-4000:], dep.diagnose())
     # where a relative results-dir lands: $FLOWER_SSL_HOME if the SuperLink has it, else
     # the SuperLink's working directory (NOT the project dir, NOT where `flwr run` ran)
     base = dep.workdir / "ssl-home" if dep.tls else dep.workdir
-    folder = base / "results" / f"{algo}-{mode}"
+    folder = base / "results" / f"{case}-{mode}"
     assert folder.is_dir(), f"no run folder at {folder}\n{res.output[-3000:]}"
     assert "results written to" in res.output, res.output[-3000:]
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -65,6 +72,10 @@ def test_flwr_run_against_real_superlink(deployment, algo):
     r = rows[0]
     assert r["participants"] == 3 and r["dropped"] == [] and not r.get("skipped"), (r, dep.diagnose())
     assert r["bytes.total"] > 0 and math.isfinite(r["accuracy"]) and 0.0 <= r["accuracy"] <= 1.0
+    if cfg.get("split-transport") == "stream":  # the stream carried the iterations, Flower the round
+        assert r["split-exchanges"] == 4 and r["split-inner-exchanges"] == 2, r
+        log = res.output
+        assert "split stream on 127.0.0.1:" in log and ("(TLS)" in log) == dep.tls, log[-3000:]
     if algo == "scala":  # activations and labels travel up, gradients down
         kinds = {k.split(".")[1] for k in r if k.startswith("bytes.") and r[k] > 0 and k != "bytes.total"}
         assert {"labels"} <= kinds and any("act" in k for k in kinds), kinds
@@ -72,7 +83,7 @@ def test_flwr_run_against_real_superlink(deployment, algo):
         assert (folder / name).stat().st_size > 0, name
     saved = json.loads((folder / "config.json").read_text())
     assert saved["algo"] == algo and saved["num-rounds"] == 1
-    print(f"[deploy {mode}] {algo}: 1 round in {res.seconds:.0f} s, acc {r['accuracy']:.3f}, "
+    print(f"[deploy {mode}] {case}: 1 round in {res.seconds:.0f} s, acc {r['accuracy']:.3f}, "
           f"bytes {r['bytes.total']}")
 
 

@@ -128,19 +128,27 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
-def run_local(algo: str, extra: str):
+def run_local(algo: str, extra: str, transport: str = "message", tls: str = "auto"):
+    from split_layer.stream import StreamOptions
+
     p = parsed(algo, extra)
-    grid = LocalGrid(K, dispatch)
-    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=30))
+    grid = LocalGrid(K, dispatch, threaded=transport == "stream")  # the stream needs every node at once
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
+        min_nodes=2, round_timeout=30, split_transport=transport, stream=StreamOptions(tls=tls)))
     rows = []
     s.start(grid, num_rounds=ROUNDS, on_round_end=lambda r, m: rows.append(dict(m)))
+    grid.join()
     return s, rows
 
 
+TRANSPORTS = ["message", "stream", "stream-tls"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_equivalence_local_grid(case):
+def test_equivalence_local_grid(case, transport):
     algo, extra = CASES[case]
-    s, rows = run_local(algo, extra)
+    s, rows = run_local(algo, extra, transport.split("-")[0], "on" if transport.endswith("tls") else "auto")
     assert all(r["participants"] == K and r["dropped"] == [] for r in rows)
     ref = reference(algo, extra)
     got = {k: v.detach() for k, v in s.model.state_dict().items()}
@@ -152,9 +160,25 @@ def test_equivalence_local_grid(case):
     assert max_diff(fresh, ref) > 1e-3
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_transports_give_identical_weights_and_bytes(case):
+    """Message and stream transports: the same weights to the last bit and the same byte counts."""
+    algo, extra = CASES[case]
+    a, rows_a = run_local(algo, extra, "message")
+    b, rows_b = run_local(algo, extra, "stream")
+    assert max_diff(a.model.state_dict(), b.model.state_dict()) == 0.0
+    for ra, rb in zip(rows_a, rows_b):
+        assert {k: v for k, v in ra.items() if k.startswith("bytes.")} == \
+            {k: v for k, v in rb.items() if k.startswith("bytes.")}
+        assert ra["split-exchanges"] == rb["split-exchanges"] == 4
+
+
 @pytest.mark.e2e
-def test_equivalence_simulation(tmp_path, monkeypatch):
-    """Both cases through Flower's simulation engine (Ray), 3 SuperNodes, 2 rounds x 3 iterations."""
+@pytest.mark.parametrize("transport", ["message", "stream"])
+def test_equivalence_simulation(tmp_path, monkeypatch, transport):
+    """Both cases through Flower's simulation engine (Ray), 3 SuperNodes, 2 rounds x 3 iterations.
+
+    The stream transport needs the 3 clients at once: half a CPU each (4 actors on 2 CPUs)."""
     from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
 
     for k, v in hermetic_env(tmp_path).items():
@@ -163,7 +187,9 @@ def test_equivalence_simulation(tmp_path, monkeypatch):
     for case, (algo, extra) in CASES.items():
         raw = fused_run_config([_overrides(algo, extra)])
         cfg = {k: v for k, v in raw.items() if k not in ("results-dir", "run-name", "round-timeout")}
-        folder = run_simulation_inprocess(cfg, tmp_path / "results", K, case)
+        cfg["split-transport"] = transport
+        folder = run_simulation_inprocess(cfg, tmp_path / "results", K, f"{case}-{transport}",
+                                          client_cpus=1.0 if transport == "message" else 0.5)
         rows = read_metrics(folder)
         assert [r["participants"] for r in rows] == [K] * ROUNDS and all(r["dropped"] == [] for r in rows)
         got = torch.load(folder / "model.pt", map_location="cpu")

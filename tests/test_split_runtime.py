@@ -126,7 +126,8 @@ def test_step_batch_cursor():
 
 
 @pytest.mark.e2e
-def test_fault_through_simulation_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["message", "stream"])
+def test_fault_through_simulation_engine(tmp_path, monkeypatch, transport):
     """One of three SuperNodes raises mid-round in Flower's simulation engine; the run finishes."""
     from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
 
@@ -134,9 +135,25 @@ def test_fault_through_simulation_engine(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cfg = {"algo": "scala", "num-rounds": 2, "scala.local-iterations": 2, "scala.total-batch": 30,
-           "scala.fault-partition": 1, "scala.fault-step": 2, "seed": 2}
-    rows = read_metrics(run_simulation_inprocess(cfg, tmp_path / "results", 3, "fault"))
+           "scala.fault-partition": 1, "scala.fault-step": 2, "seed": 2, "split-transport": transport}
+    rows = read_metrics(run_simulation_inprocess(cfg, tmp_path / "results", 3, "fault",
+                                                 client_cpus=1.0 if transport == "message" else 0.5))
     assert [r["round"] for r in rows] == [1, 2]
     for r in rows:
         assert r["participants"] == 2 and len(r["dropped"]) == 1 and not r.get("skipped")
         assert len(r["batch-sizes"]) == 2 and r["bytes.weights.up"] > 0
+
+
+@pytest.mark.e2e
+def test_stream_with_too_few_concurrent_clientapps_fails_with_the_setting(tmp_path, monkeypatch):
+    """3 nodes, but half the machine's CPUs per ClientApp = 2 at once: a clear error, no hang."""
+    from split_layer.stream import StreamConfigError
+    from tests.flower_harness import ROOT, hermetic_env, run_simulation_inprocess
+
+    for k, v in hermetic_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cfg = {"algo": "scala", "num-rounds": 1, "scala.local-iterations": 1, "split-transport": "stream"}
+    with pytest.raises(StreamConfigError, match=r"all 3 sampled clients.*at most 2 ClientApps.*"
+                                                r"client-resources-num-cpus"):
+        run_simulation_inprocess(cfg, tmp_path / "results", 3, "too-few", client_cpus=(os.cpu_count() or 2) / 2)

@@ -1,0 +1,566 @@
+"""A low-latency channel for split exchanges: one gRPC bidirectional stream per node and round.
+
+Flower messages cost about 0.1 s per exchange in simulation and several seconds in a
+deployment (polling, and a new ClientApp process per message). With
+``split-transport='stream'`` Flower carries only what it is good at -- the start of a
+client's split round (node sampling, the bottom weights, authentication of the node) and
+the round's final bottom weights in the reply -- while the ``I`` per-iteration exchanges
+travel over a gRPC stream that the ServerApp hosts for the duration of the round:
+
+1. The ServerApp starts a gRPC server (``split-stream-host``/``-port``; by default an
+   ephemeral port on 127.0.0.1) and sends each sampled node the usual step-1 message plus
+   the endpoint (``split-stream-address``), a per-node, per-round secret
+   (``split-stream-token``), the server's certificate when TLS is on
+   (``split-stream-cert``) and the wait limit (``split-stream-timeout`` = ``round-timeout``).
+2. The ClientApp handler (:func:`split_layer.worker.make_split_handlers`) connects,
+   authenticates with the secret in its first frame -- which also carries the streams of
+   step 1 -- and runs every local iteration of the round over the stream, keeping its
+   bottom model, optimizer and the autograd graph of the last forward pass in memory
+   (no recomputation, nothing in ``context.state``).
+3. The server sends the gradients of step ``I`` with ``final``; the client applies them and
+   returns its final bottom weights as the reply to the Flower message of step 1.
+
+The server side is :class:`StreamTransport` (a :class:`split_layer.transport.Transport`:
+the split runtime and the algorithms do not change); the client side is :class:`StreamClient`.
+
+Frames are :func:`encode` d as ``MAGIC | u32 header length | JSON header | raw tensor
+bytes`` (dtype whitelist, sizes checked on :func:`decode`); no pickle ever crosses the wire.
+
+Security: the secret is 256 random bits per node and round, compared in constant time;
+a frame from an unknown node, with a wrong secret, or a second connection for the same
+node is refused. TLS (``split-stream-tls``): ``auto`` (default) encrypts unless the
+endpoint is bound to a loopback address, ``on`` always, ``off`` never. The server makes
+an ephemeral self-signed certificate per run (``cryptography``, a Flower dependency) and
+ships it in the Flower start message, which itself travels over the deployment's
+authenticated (TLS) channel, so there are no certificate files to manage; the client
+trusts exactly that certificate.
+
+Faults and waits: a node whose stream breaks, whose frame is malformed, whose Flower reply
+is an error or that is silent for ``round-timeout`` seconds is dropped from the rest of the
+round (logged, listed in ``dropped``), exactly as with the message transport; every wait on
+both sides has that timeout.
+
+Simulation: all sampled clients of a round must run at once (they wait on one another at
+every iteration). Each node reports in its one-time ``split-info`` reply how many
+ClientApps the simulation runs concurrently (Ray actor pool and Flower's worker threads,
+:func:`simulation_concurrency`); if fewer than the sampled nodes, the round fails at once
+with :class:`StreamConfigError` saying which federation setting to change.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hmac
+import ipaddress
+import json
+import os
+import queue
+import secrets
+import struct
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any, Iterator
+
+import numpy as np
+from flwr.app import ConfigRecord, Message
+from flwr.common import log
+
+from .transport import Envelope, FlowerTransport, Transport, envelope_from_message, _fill
+
+__all__ = ["StreamOptions", "StreamTransport", "StreamClient", "StreamError", "StreamConfigError",
+           "encode", "decode", "simulation_concurrency", "TRANSPORTS", "STREAM_KEYS"]
+
+TRANSPORTS = ("message", "stream")
+TLS_MODES = ("auto", "on", "off")
+METHOD = "/flowerssl.SplitStream/Exchange"
+TLS_NAME = "flower-ssl-split-stream"   # the certificate's name; the client pins the certificate itself
+MAGIC = b"FSS1"
+# config keys of the start message (client side)
+STREAM_KEYS = {"address": "split-stream-address", "token": "split-stream-token", "node": "split-stream-node",
+               "cert": "split-stream-cert", "timeout": "split-stream-timeout"}
+_DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+_GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                 ("grpc.so_reuseport", 0)]
+
+
+class StreamError(RuntimeError):
+    """The split stream broke, timed out, or carried a malformed frame."""
+
+
+class StreamConfigError(RuntimeError):
+    """The stream transport cannot work with this run's settings (message says what to change)."""
+
+
+# --------------------------------------------------------------------------- frames
+def encode(header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> bytes:
+    """One frame: ``MAGIC | u32 len | JSON header (+ tensor table) | raw tensor bytes``."""
+    table, blobs = [], []
+    for name, arr in (tensors or {}).items():
+        a = np.asarray(arr)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+        if a.dtype.name not in _DTYPES:
+            raise StreamError(f"tensor '{name}' has dtype {a.dtype.name}; allowed: {sorted(_DTYPES)}")
+        table.append([name, a.dtype.name, list(a.shape), int(a.nbytes)])
+        blobs.append(a.tobytes() if a.ndim == 0 or a.size == 0 else memoryview(a).cast("B"))
+    head = json.dumps({"h": header, "t": table}, separators=(",", ":")).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(head)), head, *blobs])
+
+
+def decode(buf: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Inverse of :func:`encode`; raises :class:`StreamError` on anything malformed."""
+    try:
+        if len(buf) < 8 or buf[:4] != MAGIC:
+            raise StreamError("not a split-stream frame (bad magic)")
+        (n,) = struct.unpack_from("<I", buf, 4)
+        if 8 + n > len(buf):
+            raise StreamError(f"frame header of {n} bytes runs past the frame ({len(buf)} bytes)")
+        meta = json.loads(bytes(buf[8:8 + n]))
+        header, table = meta["h"], meta["t"]
+        if not isinstance(header, dict) or not isinstance(table, list):
+            raise StreamError("frame header is not {'h': {...}, 't': [...]}")
+        off, out = 8 + n, {}
+        for name, dtype, shape, size in table:
+            if dtype not in _DTYPES:
+                raise StreamError(f"tensor '{name}': dtype {dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
+            shape = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape) or int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize != size:
+                raise StreamError(f"tensor '{name}': shape {shape} and {size} bytes do not match dtype {dtype}")
+            if off + size > len(buf):
+                raise StreamError(f"tensor '{name}' runs past the end of the frame")
+            out[str(name)] = np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape, dtype=np.int64)),
+                                           offset=off).reshape(shape)
+            off += size
+        if off != len(buf):
+            raise StreamError(f"{len(buf) - off} trailing bytes after the last tensor")
+        return header, out
+    except StreamError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure is a malformed frame
+        raise StreamError(f"malformed split-stream frame: {type(e).__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class StreamOptions:
+    """Where and how the ServerApp hosts the stream (run-config keys ``split-stream-*``)."""
+
+    host: str = "127.0.0.1"       # bind address ("0.0.0.0" to accept remote SuperNodes)
+    advertise: str = ""           # address sent to clients ("" = host; needed when host is 0.0.0.0)
+    port: int = 0                 # 0 = an ephemeral port per round
+    tls: str = "auto"             # auto | on | off
+    timeout: float = 600.0        # every wait, both sides (the run's round-timeout)
+
+    def __post_init__(self) -> None:
+        if self.tls not in TLS_MODES:
+            raise ValueError(f"split-stream-tls={self.tls!r} is not one of: {', '.join(TLS_MODES)}")
+        if self.host in ("0.0.0.0", "::", "") and not self.advertise:
+            raise ValueError(f"split-stream-host={self.host!r} binds every interface; set split-stream-advertise "
+                             f"to the address SuperNodes reach the ServerApp at")
+
+    @property
+    def address_host(self) -> str:
+        return self.advertise or self.host
+
+    def use_tls(self) -> bool:
+        if self.tls != "auto":
+            return self.tls == "on"
+        return not _is_loopback(self.host)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_CERT: tuple[bytes, bytes] | None = None
+
+
+def ephemeral_certificate() -> tuple[bytes, bytes]:
+    """(key PEM, certificate PEM): a self-signed P-256 certificate, made once per process."""
+    global _CERT
+    if _CERT is None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
+        now = _dt.datetime.now(_dt.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - _dt.timedelta(minutes=5))
+                .not_valid_after(now + _dt.timedelta(days=7))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        _CERT = (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption()),
+                 cert.public_bytes(serialization.Encoding.PEM))
+    return _CERT
+
+
+# --------------------------------------------------------------------------- simulation check
+def simulation_concurrency() -> int:
+    """How many ClientApps Flower's simulation runs at once, seen from inside one (0 = not simulated).
+
+    Flower's Ray backend builds ``sum over Ray nodes of int(node CPUs / client num_cpus)``
+    actors (GPUs likewise) and feeds them from ``ThreadPoolExecutor()`` workers, at most
+    ``min(32, os.cpu_count() + 4)`` of them.
+    """
+    ray = sys.modules.get("ray")  # imported only inside a Ray worker; never import it here
+    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
+        return 0
+    try:
+        res = ray.get_runtime_context().get_assigned_resources()
+        cpu, gpu = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
+        actors = 0
+        for node in ray.nodes():
+            have = node.get("Resources") or {}
+            if not have or cpu <= 0:
+                continue
+            n = int(have.get("CPU", 0) / cpu)
+            if gpu > 0:
+                n = min(n, int(have.get("GPU", 0) / gpu))
+            actors += n
+        if actors <= 0:
+            return 0
+        return min(actors, min(32, (os.cpu_count() or 1) + 4))
+    except Exception:  # noqa: BLE001 - an unknown runtime imposes no check
+        return 0
+
+
+# --------------------------------------------------------------------------- server
+class _Session:
+    def __init__(self, node: int, token: str) -> None:
+        self.node, self.token = node, token
+        self.outbox: queue.Queue = queue.Queue()
+        self.connected = False
+        self.closed = False
+
+
+class _Server:
+    """A gRPC server with one bidirectional-stream method; events go to one queue."""
+
+    def __init__(self, opts: StreamOptions, nodes: list[int]) -> None:
+        import grpc
+
+        self.events: queue.Queue = queue.Queue()   # (node, kind, payload)
+        self.sessions = {n: _Session(n, secrets.token_hex(32)) for n in nodes}
+        self._lock = threading.Lock()
+        handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
+            "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * len(nodes) + 4,
+                                                             thread_name_prefix="split-stream"),
+                                  handlers=[handler], options=_GRPC_OPTIONS,
+                                  maximum_concurrent_rpcs=len(nodes) + 4)
+        self.tls = opts.use_tls()
+        bind = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
+        if self.tls:
+            key, cert = ephemeral_certificate()
+            port = self.server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
+            self.cert = cert.decode()
+        else:
+            port = self.server.add_insecure_port(bind)
+            self.cert = ""
+        if not port:
+            raise StreamConfigError(f"cannot listen on split-stream-host={opts.host!r} split-stream-port={opts.port}")
+        h = opts.address_host
+        self.address = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
+        self.server.start()
+
+    def _exchange(self, request_iterator: Iterator[bytes], context) -> Iterator[bytes]:
+        import grpc
+
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        try:
+            header, tensors = decode(first)
+            node = int(header.get("node", -1))
+        except (StreamError, TypeError, ValueError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad first frame: {e}")
+            return
+        sess = self.sessions.get(node)
+        if sess is None or not hmac.compare_digest(str(header.get("token", "")), sess.token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown node or wrong split-stream token")
+            return
+        with self._lock:
+            if sess.connected or sess.closed:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node {node} is already connected this round")
+                return
+            sess.connected = True
+        self.events.put((node, "frame", (header, tensors)))
+        # lock-step in this one thread: a response out, then the client's next frame in
+        while context.is_active():
+            try:
+                item = sess.outbox.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            yield item
+            try:
+                req = next(request_iterator)
+            except StopIteration:
+                self.events.put((node, "closed", "the client closed its stream"))
+                return
+            except Exception as e:  # noqa: BLE001 - a broken stream
+                self.events.put((node, "closed", f"stream broke: {type(e).__name__}: {e}"))
+                return
+            self.events.put((node, "frame", req))
+        self.events.put((node, "closed", "the stream was cancelled"))
+
+    def send(self, node: int, frame: bytes) -> None:
+        self.sessions[node].outbox.put(frame)
+
+    def end(self, node: int) -> None:
+        sess = self.sessions.get(node)
+        if sess is not None and not sess.closed:
+            sess.closed = True
+            sess.outbox.put(None)
+
+    def stop(self) -> None:
+        for n in list(self.sessions):
+            self.end(n)
+        self.server.stop(grace=1.0)
+
+
+class StreamTransport(Transport):
+    """Split exchanges over gRPC streams; Flower messages start and end each client's round.
+
+    Only the ``split`` op streams; every other op (e.g. ``split-info``) goes through
+    Flower messages (:class:`FlowerTransport`). The step of an exchange is read from the
+    envelopes' ``split-step``/``split-iters`` (the runtime's protocol, see
+    :mod:`split_layer.runtime`).
+    """
+
+    def __init__(self, strategy, grid, opts: StreamOptions) -> None:
+        self.strategy, self.grid, self.opts = strategy, grid, opts
+        self.flower = FlowerTransport(strategy, grid)
+        self.server: _Server | None = None
+        self.msg_of: dict[int, str] = {}    # node -> id of its start message
+        self.alive: set[int] = set()
+        self.broken: dict[int, str] = {}    # node -> why its stream ended
+        self._early: dict[int, Message] = {}
+        self.replied: set[int] = set()
+        self._last_pull = 0.0
+        self.stats = {"frames": 0}
+
+    # ------------------------------------------------------------------ helpers
+    def _drop(self, node: int, why: str) -> None:
+        if node in self.alive:
+            self.alive.discard(node)
+            self.strategy._drop(node, why)
+            if self.server is not None:
+                self.server.end(node)
+
+    def _check_flower_errors(self, force: bool = False) -> None:
+        """Error replies to the start messages mean the ClientApp died: drop those nodes now."""
+        now = time.monotonic()
+        if not force and now - self._last_pull < 0.25:
+            return
+        self._last_pull = now
+        ids = {self.msg_of[n]: n for n in self.alive if n not in self._early and n not in self.replied}
+        if not ids:
+            return
+        for r in self.grid.pull_messages(list(ids)):
+            node = ids.get(r.metadata.reply_to_message_id)
+            if node is None:
+                continue
+            self.replied.add(node)  # a reply is pulled once; asking again is an error in Flower
+            if r.has_error():
+                self._drop(node, f"ClientApp error: {(r.error.reason or '')[:500]}")
+            else:
+                self._early[node] = r
+
+    def _collect(self, nodes: set[int], what: str) -> dict[int, tuple[dict, dict]]:
+        """Wait for one frame from each node (timeout ``round-timeout``)."""
+        got: dict[int, tuple[dict, dict]] = {}
+        deadline = time.monotonic() + self.opts.timeout
+        while True:
+            waiting = (nodes & self.alive) - set(got)
+            for n in sorted(waiting & set(self.broken)):
+                self._check_flower_errors(force=True)  # prefer the ClientApp's own error text
+                self._drop(n, f"{self.broken[n]} before sending its {what}")
+            waiting -= set(self.broken)
+            if not waiting:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for n in sorted(waiting):
+                    self._drop(n, f"no {what} on the split stream within {self.opts.timeout:.0f} s")
+                return got
+            try:
+                node, kind, payload = self.server.events.get(timeout=min(left, 0.25))
+            except queue.Empty:
+                self._check_flower_errors(force=True)
+                continue
+            if kind == "closed":
+                self.broken.setdefault(node, str(payload))
+                continue
+            if node not in waiting:
+                continue
+            try:
+                header, tensors = payload if isinstance(payload, tuple) else decode(payload)
+                if "error" in header:
+                    raise StreamError(f"client error: {header['error']}")
+            except StreamError as e:
+                self._drop(node, str(e))
+                continue
+            self.stats["frames"] += 1
+            got[node] = (header, tensors)
+
+    # ------------------------------------------------------------------ the protocol
+    def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
+        if op != "split":
+            return self.flower.exchange(server_round, op, out)
+        if not out:
+            return {}
+        cfg = next(iter(out.values())).config
+        step, iters = int(cfg["split-step"]), int(cfg["split-iters"])
+        if step == 1:
+            return self._start(server_round, out)
+        # nodes the runtime stopped addressing (dropped by validation) leave the stream
+        for n in sorted(self.alive - set(out)):
+            self.alive.discard(n)
+            self.server.end(n)
+        for n, env in out.items():
+            if n in self.alive:
+                self.server.send(n, encode({"step": step, "final": step > iters}, env.tensors))
+        if step <= iters:
+            return {n: Envelope(tensors=t) for n, (h, t) in self._collect(set(out), f"streams of step {step}").items()}
+        return self._finish(set(out))
+
+    def _start(self, server_round: int, out: dict[int, Envelope]) -> dict[int, Envelope]:
+        self.check_concurrency(list(out))
+        self.close()
+        self.server = _Server(self.opts, sorted(out))
+        self._early, self.broken, self.replied = {}, {}, set()
+        msgs = []
+        for n, env in out.items():
+            extra = {STREAM_KEYS["address"]: self.server.address, STREAM_KEYS["token"]: self.server.sessions[n].token,
+                     STREAM_KEYS["node"]: int(n),
+                     STREAM_KEYS["cert"]: self.server.cert, STREAM_KEYS["timeout"]: float(self.opts.timeout)}
+            content = _fill(self.strategy.base_content(server_round, op="split", **env.config, **extra), env)
+            msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(server_round)))
+        ids = self.grid.push_messages(msgs)
+        self.msg_of = {m.metadata.dst_node_id: mid for m, mid in zip(msgs, ids)}
+        self.alive = set(out)
+        log(INFO, "round %s: split stream on %s (%s), %d node(s)", server_round, self.server.address,
+            "TLS" if self.server.tls else "plaintext", len(out))
+        got = self._collect(set(out), "streams of step 1")
+        return {n: Envelope(tensors=t) for n, (h, t) in got.items()}
+
+    def _finish(self, nodes: set[int]) -> dict[int, Envelope]:
+        """After the final gradients: the final bottoms come back as Flower replies."""
+        out: dict[int, Envelope] = {}
+        deadline = time.monotonic() + self.opts.timeout
+        while True:
+            for n, r in list(self._early.items()):
+                if n in self.alive and n in nodes:
+                    out[n] = envelope_from_message(r)
+                self._early.pop(n)
+            waiting = (nodes & self.alive) - set(out)
+            if not waiting or time.monotonic() > deadline:
+                break
+            self._check_flower_errors(force=True)
+            if not self._early:
+                time.sleep(0.01)
+        for n in sorted((nodes & self.alive) - set(out)):
+            self._drop(n, f"no final reply within {self.opts.timeout:.0f} s")
+        self.close()
+        return out
+
+    def check_concurrency(self, nodes: list[int]) -> None:
+        caps = {n: int(self.strategy.info.get(n, {}).get("concurrency", 0)) for n in nodes}
+        limits = [c for c in caps.values() if c > 0]
+        if limits and len(nodes) > min(limits):
+            raise StreamConfigError(
+                f"split-transport='stream' needs all {len(nodes)} sampled clients of a round running at once, "
+                f"but this simulation runs at most {min(limits)} ClientApps concurrently. Lower the client "
+                f"resources so that more fit, e.g. `flwr run . --federation-config "
+                f"\"client-resources-num-cpus={_suggest_cpus(len(nodes))}\"` (or `flwr federation "
+                f"simulation-config ... --client-resources-num-cpus`), sample fewer nodes (fraction-train), "
+                f"or use split-transport='message'.")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def _suggest_cpus(n: int) -> str:
+    c = max(1, os.cpu_count() or 1)
+    v = c / max(n, 1)
+    return f"{v:.2g}"
+
+
+# --------------------------------------------------------------------------- client
+class StreamClient:
+    """The ClientApp end of one round's stream (lock-step: send a frame, receive a frame)."""
+
+    def __init__(self, address: str, token: str, node: int, cert: str = "", timeout: float = 600.0,
+                 frames: int = 1) -> None:
+        import grpc
+
+        self.node, self.token, self.timeout = node, token, float(timeout)
+        if cert:
+            creds = grpc.ssl_channel_credentials(root_certificates=cert.encode())
+            self.channel = grpc.secure_channel(address, creds,
+                                               options=_GRPC_OPTIONS + [("grpc.ssl_target_name_override", TLS_NAME)])
+        else:
+            self.channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+        self.address = address
+        self._out: queue.Queue = queue.Queue()
+        self._first = True
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=min(self.timeout, 120.0))
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise StreamError(f"cannot connect to the split stream at {address} within "
+                              f"{min(self.timeout, 120.0):.0f} s (is split-stream-advertise reachable from "
+                              f"this SuperNode?)") from None
+        call = self.channel.stream_stream(METHOD)
+        # every wait of this client is bounded: the whole call has a deadline of
+        # ``timeout`` per expected frame (the server bounds each of its own waits by ``timeout``)
+        self.call = call(self._requests(), wait_for_ready=True, timeout=self.timeout * max(frames, 1))
+
+    def _requests(self) -> Iterator[bytes]:
+        while True:
+            item = self._out.get()
+            if item is None:
+                return
+            yield item
+
+    def send(self, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+        if self._first:
+            header = {**header, "node": self.node, "token": self.token}
+            self._first = False
+        self._out.put(encode(header, tensors))
+
+    def recv(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        import grpc
+
+        try:
+            frame = next(self.call)
+        except StopIteration:
+            raise StreamError(f"split stream {self.address}: the server ended the stream") from None
+        except grpc.RpcError as e:
+            raise StreamError(f"split stream {self.address}: {e.code().name}: {e.details()}") from None
+        return decode(frame)
+
+    def close(self) -> None:
+        self._out.put(None)
+        try:
+            self.call.cancel()
+        finally:
+            self.channel.close()

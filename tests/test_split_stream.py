@@ -1,0 +1,275 @@
+"""The gRPC stream transport (split_layer/stream.py): frames, authentication, faults, config.
+
+Equivalence with the message transport (same weights to the last bit, same byte counts)
+is in tests/test_split_equivalence.py; the simulation and deployment runs are e2e tests
+there and in tests/test_deploy.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from flower_apps.client_app import dispatch
+from flower_apps.config import parse_run_config
+from flower_apps.simulate import fused_run_config
+from split_layer.stream import (STREAM_KEYS, StreamClient, StreamConfigError, StreamError, StreamOptions,
+                                StreamTransport, decode, encode, simulation_concurrency)
+from split_layer.transport import Envelope, LocalGrid
+from strategies.base import RoundPolicy
+from tasks.config import ConfigError
+
+K = 3
+
+
+# --------------------------------------------------------------------------- frames
+def test_frame_round_trip_keeps_names_dtypes_shapes_values():
+    t = {"act": np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32),
+         "labels": np.array([1, 2, 3, 9], np.int64), "scalar": np.float64(2.5) * np.ones(()),
+         "empty": np.zeros((0, 5), np.float16), "mask": np.array([True, False])}
+    h, back = decode(encode({"step": 3, "final": False, "note": "x"}, t))
+    assert h == {"step": 3, "final": False, "note": "x"}
+    assert list(back) == list(t)
+    for k in t:
+        assert back[k].dtype == t[k].dtype and back[k].shape == t[k].shape
+        np.testing.assert_array_equal(back[k], t[k])
+
+
+def test_frame_of_non_contiguous_array_is_the_array():
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]
+    _, back = decode(encode({}, {"x": x}))
+    np.testing.assert_array_equal(back["x"], x)
+
+
+def _frame(meta: dict, body: bytes = b"") -> bytes:
+    head = json.dumps(meta).encode()
+    return b"FSS1" + struct.pack("<I", len(head)) + head + body
+
+
+@pytest.mark.parametrize("buf, why", [
+    (b"", "bad magic"),
+    (b"XXXX\x00\x00\x00\x00", "bad magic"),
+    (b"FSS1" + struct.pack("<I", 999) + b"{}", "runs past the frame"),
+    (_frame({"h": {}, "t": [["x", "object", [1], 8]]}, b"\0" * 8), "not allowed"),
+    (_frame({"h": {}, "t": [["x", "float32", [3], 8]]}, b"\0" * 8), "do not match"),
+    (_frame({"h": {}, "t": [["x", "float32", [4], 16]]}, b"\0" * 8), "runs past the end"),
+    (_frame({"h": {}, "t": [["x", "float32", [2], 8]]}, b"\0" * 12), "trailing bytes"),
+    (_frame({"h": [], "t": []}), "frame header"),
+    (b"FSS1" + struct.pack("<I", 3) + b"{{{", "malformed"),
+])
+def test_malformed_frames_raise_a_clear_error(buf, why):
+    with pytest.raises(StreamError, match=why):
+        decode(buf)
+
+
+def test_encode_refuses_object_arrays():
+    with pytest.raises(StreamError, match="dtype"):
+        encode({}, {"x": np.array([object()])})
+
+
+# --------------------------------------------------------------------------- a bare transport
+class Owner:
+    """The strategy methods the transport uses, recording drops."""
+
+    def __init__(self, concurrency: int = 0) -> None:
+        self.info = {n: {"concurrency": concurrency} for n in range(1001, 1001 + K)}
+        self.dropped: list[tuple[int, str]] = []
+
+    def base_content(self, server_round, **config):
+        from flwr.app import ConfigRecord, RecordDict
+        return RecordDict({"config": ConfigRecord(config)})
+
+    def _drop(self, node, why):
+        self.dropped.append((node, why))
+
+
+def echo_handler(behaviour: dict[int, str] | None = None, iters: int = 3):
+    """A ClientApp that echoes ``g`` back as ``act``; per-node misbehaviour for the fault tests."""
+    behaviour = behaviour or {}
+
+    def handler(msg, context):
+        from split_layer.transport import reply
+        cfg = dict(msg.content.config_records["config"])
+        node = int(cfg[STREAM_KEYS["node"]])
+        how = behaviour.get(node, "")
+        if how == "raise-before-connect":
+            raise RuntimeError("boom before connecting")
+        token = "not-the-token" if how == "bad-token" else cfg[STREAM_KEYS["token"]]
+        c = StreamClient(cfg[STREAM_KEYS["address"]], token, node, cfg[STREAM_KEYS["cert"]], 10.0, frames=iters)
+        try:
+            c.send({"step": 1}, {"act": np.zeros((2, 3), np.float32)})
+            for step in range(2, iters + 2):
+                h, t = c.recv()
+                if how == "break" and step == 3:
+                    raise RuntimeError("client crashed mid-round")
+                if how == "garbage" and step == 3:
+                    c._out.put(b"garbage")  # not a frame
+                    c.recv()
+                if step <= iters:
+                    c.send({"step": step}, {"act": t["g"] + 1})
+        finally:
+            c.close()
+        return reply(msg, Envelope(arrays={"bottom": {"w": np.full(2, node, np.float32)}}))
+
+    return handler
+
+
+def run_round(handler, owner=None, iters=3, timeout=10.0, opts=None, fail_nodes=()):
+    owner = owner or Owner()
+    grid = LocalGrid(K, handler, threaded=True)
+    grid.fail_nodes = set(fail_nodes)
+    tr = StreamTransport(owner, grid, opts or StreamOptions(timeout=timeout))
+    nodes = grid.get_node_ids()
+    seen = []
+    try:
+        got = tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": iters}) for n in nodes})
+        seen.append(got)
+        for step in range(2, iters + 2):
+            got = tr.exchange(1, "split", {n: Envelope(tensors={"g": np.full((2, 3), step, np.float32)},
+                                                       config={"split-step": step, "split-iters": iters})
+                                           for n in got})
+            seen.append(got)
+    finally:
+        tr.close()
+        grid.join(15)
+    return owner, seen
+
+
+def test_a_round_streams_every_step_and_ends_with_the_flower_reply():
+    owner, seen = run_round(echo_handler())
+    assert owner.dropped == []
+    assert [sorted(s) for s in seen] == [[1001, 1002, 1003]] * 4
+    np.testing.assert_array_equal(seen[0][1001].tensors["act"], np.zeros((2, 3)))
+    np.testing.assert_array_equal(seen[1][1002].tensors["act"], np.full((2, 3), 3.0))   # g of step 2, + 1
+    np.testing.assert_array_equal(seen[2][1003].tensors["act"], np.full((2, 3), 4.0))
+    for n in (1001, 1002, 1003):  # the final bottoms came back in the Flower replies
+        np.testing.assert_array_equal(seen[3][n].arrays["bottom"]["w"], np.full(2, n))
+
+
+def test_tls_round_works_and_a_client_without_the_certificate_cannot_connect():
+    owner, seen = run_round(echo_handler(), opts=StreamOptions(timeout=10.0, tls="on"))
+    assert owner.dropped == [] and len(seen[-1]) == K
+
+    from split_layer.stream import _Server
+    srv = _Server(StreamOptions(tls="on"), [1])
+    try:
+        with pytest.raises(StreamError, match="cannot connect"):
+            StreamClient(srv.address, srv.sessions[1].token, 1, cert="", timeout=2.0)  # plaintext to TLS
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("raise-before-connect", "ClientApp error: .*boom before connecting"),
+    ("bad-token", "ClientApp error|stream"),
+    ("break", "client error: RuntimeError: client crashed mid-round|stream|ClientApp error"),
+    ("garbage", "bad magic|not a split-stream frame"),
+])
+def test_a_failing_node_is_dropped_and_the_others_finish(how, reason):
+    owner, seen = run_round(echo_handler({1002: how}), timeout=10.0)
+    assert [n for n, _ in owner.dropped] == [1002], owner.dropped
+    assert re.search(reason, owner.dropped[0][1]), owner.dropped
+    assert sorted(seen[-1]) == [1001, 1003]  # the others ended the round normally
+    for n in (1001, 1003):
+        np.testing.assert_array_equal(seen[-1][n].arrays["bottom"]["w"], np.full(2, n))
+
+
+def test_a_silent_node_is_dropped_after_the_timeout():
+    owner, seen = run_round(echo_handler(), timeout=1.5, fail_nodes=[1003])
+    assert owner.dropped and owner.dropped[0][0] == 1003 and "within 2 s" in owner.dropped[0][1]
+    assert sorted(seen[-1]) == [1001, 1002]
+
+
+def test_wrong_token_is_refused_by_the_server():
+    from split_layer.stream import _Server
+    srv = _Server(StreamOptions(), [7])
+    try:
+        c = StreamClient(srv.address, "0" * 64, 7, timeout=5.0)
+        c.send({"step": 1}, {})
+        with pytest.raises(StreamError, match="UNAUTHENTICATED"):
+            c.recv()
+        c.close()
+        c = StreamClient(srv.address, srv.sessions[7].token, 8, timeout=5.0)  # right secret, other node
+        c.send({"step": 1}, {})
+        with pytest.raises(StreamError, match="UNAUTHENTICATED"):
+            c.recv()
+        c.close()
+    finally:
+        srv.stop()
+    assert srv.events.empty()  # nothing of a refused client reached the round
+
+
+def test_too_few_concurrent_clientapps_in_simulation_fail_with_the_setting_to_change():
+    owner = Owner(concurrency=2)
+    grid = LocalGrid(K, echo_handler(), threaded=True)
+    tr = StreamTransport(owner, grid, StreamOptions(timeout=5.0))
+    with pytest.raises(StreamConfigError, match="client-resources-num-cpus") as e:
+        tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": 2})
+                                 for n in grid.get_node_ids()})
+    assert "at most 2 ClientApps" in str(e.value) and "split-transport='message'" in str(e.value)
+    assert grid.pushed == 0  # failed before contacting any node
+
+
+def test_simulation_concurrency_is_zero_outside_ray():
+    assert simulation_concurrency() == 0
+
+
+def test_other_ops_go_through_flower_messages():
+    calls = []
+
+    def handler(msg, context):
+        from split_layer.transport import reply
+        calls.append(msg.metadata.dst_node_id)
+        return reply(msg, Envelope(config={"partition-id": 0}))
+
+    grid = LocalGrid(K, handler)
+    from strategies.base import SSLStrategy  # FlowerTransport needs strategy.exchange
+
+    class S(Owner):
+        exchange = SSLStrategy.exchange
+        policy = RoundPolicy(round_timeout=5)
+
+        def __init__(self):
+            super().__init__()
+            self.dropped = []
+
+    tr = StreamTransport(S(), grid, StreamOptions())
+    got = tr.exchange(1, "split-info", {n: Envelope() for n in grid.get_node_ids()})
+    assert sorted(got) == sorted(calls) == [1001, 1002, 1003] and tr.server is None
+
+
+# --------------------------------------------------------------------------- config
+def _parse(extra: dict):
+    return parse_run_config({**fused_run_config(None), **extra})
+
+
+def test_stream_keys_parse_and_reach_the_strategy_policy():
+    from flower_apps.server_app import stream_options
+    p = _parse({"algo": "scala", "split-transport": "stream", "split-stream-tls": "on", "split-stream-port": 0,
+                "round-timeout": 42.0})
+    o = stream_options(p.app)
+    assert (o.tls, o.timeout, o.host, o.use_tls()) == ("on", 42.0, "127.0.0.1", True)
+    assert not StreamOptions(tls="auto").use_tls() and StreamOptions(host="10.0.0.5", tls="auto").use_tls()
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"algo": "scala", "split-transport": "grpc"}, "split-transport.*message, stream"),
+    ({"algo": "fedavg", "split-transport": "stream"}, "split algorithms only.*scala"),
+    ({"algo": "scala", "split-transport": "stream", "split-stream-host": "0.0.0.0"}, "split-stream-advertise"),
+    ({"algo": "scala", "split-stream-tls": "yes"}, "split-stream-tls.*auto, on, off"),
+    ({"algo": "scala", "split-stream-port": 70000}, "split-stream-port"),
+])
+def test_bad_stream_config_names_the_key(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        _parse(extra)
+
+
+def test_strategy_with_stream_policy_uses_the_stream_transport():
+    p = _parse({"algo": "scala"})
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(split_transport="stream", round_timeout=7.0))
+    s.setup(LocalGrid(K, dispatch))
+    tr = s.make_transport(LocalGrid(K, dispatch))
+    assert isinstance(tr, StreamTransport) and tr.opts.timeout == 7.0
