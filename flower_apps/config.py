@@ -19,7 +19,7 @@ from tasks.config import ConfigError, TaskConfig, fields_of, key_of, knob, parse
 class AppConfig:
     """How the run is driven (not sent to clients)."""
 
-    algo: str = knob("fedavg", help="which algorithm to run (see README table)")
+    algo: str = knob("semisfl", help="which algorithm to run (see README table)")
     num_rounds: int = knob(10, lo=1, help="communication rounds")
     fraction_train: float = knob(1.0, lo=0.0, hi=1.0, lo_open=True, help="share of nodes sampled per round")
     min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")

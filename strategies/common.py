@@ -50,11 +50,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 # --------------------------------------------------------------------------- environments
-def partition_config(task: TaskConfig) -> PartitionConfig:
+def partition_config(task: TaskConfig, label_mode: str = "server") -> PartitionConfig:
+    """The partitioner's config. ``server-labels`` only matters with ``label_mode='server'``;
+    elsewhere its default is dropped silently and another value is passed on (and warned about)."""
+    default = TaskConfig.__dataclass_fields__["server_labels"].default
+    server_labels = task.server_labels
+    if label_mode != "server" and server_labels == default:
+        server_labels = 0
     return PartitionConfig(
         scheme=task.partition, alpha=task.partition_alpha,
         classes_per_client=task.partition_classes_per_client, r=task.partition_r,
-        server_labels=task.server_labels, labeled_alpha=task.partition_labeled_alpha,
+        server_labels=server_labels, labeled_alpha=task.partition_labeled_alpha,
         mismatch_ratio=task.partition_mismatch_ratio,
         labeled_per_client=task.partition_labeled_per_client,
         labeled_classes_per_client=task.partition_labeled_classes,
@@ -69,7 +75,7 @@ def load_bundle(task: TaskConfig) -> DatasetBundle:
 @functools.lru_cache(maxsize=8)
 def _plan_cached(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool) -> PartitionPlan:
     bundle = load_bundle(task)
-    return make_plan(bundle.train.y, num_partitions, partition_config(task), label_mode=label_mode,
+    return make_plan(bundle.train.y, num_partitions, partition_config(task, label_mode), label_mode=label_mode,
                      test_labels=bundle.test.y if with_test else None)
 
 

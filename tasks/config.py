@@ -145,7 +145,9 @@ class TaskConfig:
     partition_labeled_per_client: int = knob(60, lo=1, help="Fed-SHVR labeled samples per client")
     partition_labeled_classes: int = knob(2, lo=1, help="Fed-SHVR labeled classes per client")
     partition_min_size: int = knob(1, lo=0, help="minimum samples per client")
-    server_labels: int = knob(0, lo=0, help="N_s class-balanced labeled samples kept on the server")
+    server_labels: int = knob(500, lo=0, help="N_s class-balanced labeled samples kept on the server (algorithms "
+                                              "with labels on the server: semisfl, ssfl, supervised-only; the others "
+                                              "ignore the default and warn about another value)")
     model: str = knob("cnn", choices=("cnn", "mlp", "alexnet", "vgg16", "resnet18", "resnet9", "cnn13"),
                        help="model family (tasks/models.py); input shape and classes come from the data")
     cut: str = knob("", help="split-learning cut point ('' = the model's default)")
