@@ -20,7 +20,9 @@ def dispatch(msg: Message, context: Context, op: str | None = None) -> Message:
     if cfg is None or "algo" not in cfg:
         raise ValueError(f"malformed message: no '{CONFIG_KEY}' record with an 'algo' entry")
     spec = get_algorithm(str(cfg["algo"]))
-    op = op or str(cfg.get("op", ""))
+    kind = msg.metadata.message_type.split(".")[0]
+    # as the ClientApp routes: train/evaluate messages by type, queries by their config "op"
+    op = op or (kind if kind in ("train", "evaluate") else str(cfg.get("op", "")))
     handler = spec.client.get(op)
     if handler is None:
         raise ValueError(f"algorithm '{spec.name}' has no client handler '{op}'; it has: "

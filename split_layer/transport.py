@@ -129,13 +129,16 @@ class LocalGrid:
     ``push_messages`` runs ``handler(msg, context)`` at once for each message with that
     node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
     like the simulation engine); an exception becomes an error reply, as in Flower.
-    ``fail_nodes`` makes the listed nodes never answer (to test timeouts).
+    ``fail_nodes`` makes the listed nodes never answer (to test timeouts); ``fail_if(msg,
+    context)`` returning true turns that message's reply into an error (a node that crashed).
+    ``sent`` keeps every pushed message (to inspect what the server sent).
     ``threaded=True`` runs each message's handler in its own thread (the stream transport
     needs every sampled node active at once, as Flower's runtimes provide).
     """
 
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
-                 run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False) -> None:
+                 run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
+                 fail_if: Callable[[Message, Context], bool] | None = None) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -151,6 +154,8 @@ class LocalGrid:
                                        state=_RD(), run_config=dict(run_config or {}))
             for i in range(num_nodes)}
         self.fail_nodes: set[int] = set()
+        self.fail_if = fail_if
+        self.sent: list[Message] = []
         self._replies: dict[str, Message] = {}
         self.pushed = 0
         self.threaded = threaded
@@ -166,6 +171,7 @@ class LocalGrid:
             m.metadata.__dict__["_message_id"] = mid
             ids.append(mid)
             self.pushed += 1
+            self.sent.append(m)
             node = m.metadata.dst_node_id
             if node in self.fail_nodes:
                 continue
@@ -179,6 +185,8 @@ class LocalGrid:
 
     def _handle(self, mid: str, m: Message, node: int) -> None:
         try:
+            if self.fail_if is not None and self.fail_if(m, self.contexts[node]):
+                raise RuntimeError("injected failure (LocalGrid.fail_if)")
             r = self.handler(m, self.contexts[node])
         except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
             r = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)

@@ -203,23 +203,31 @@ class SSLStrategy(Strategy):
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
         return msgs
 
+    #: reply metrics averaged (weighted by ``num-examples``) into the round's metrics
+    reply_metrics: tuple[str, ...] = ("train-loss",)
+
+    def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
+        """Hook: put the aggregated state into the global model (e.g. only the shared body)."""
+        load_numpy_state(self.model, state)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
-        states, weights, losses = [], [], []
+        states, weights = [], []
+        values: dict[str, list[float]] = {k: [] for k in self.reply_metrics}
         for r in replies:
             rec = r.content.array_records[ARRAYS_KEY]
             self.meter.add_record("weights", "up", rec)
             met = r.content.metric_records[METRICS_KEY]
             states.append(record_to_numpy(rec))
             weights.append(float(met["num-examples"]))
-            losses.append(float(met.get("train-loss", float("nan"))))
-        if len(states) < self.policy.min_nodes:
+            for k in self.reply_metrics:
+                values[k].append(float(met.get(k, float("nan"))))
+        if len(states) < self.policy.min_nodes or sum(weights) <= 0:
             return None, None
-        new = weighted_mean(states, weights)
-        load_numpy_state(self.model, new)
-        loss = float(np.average(losses, weights=weights)) if sum(weights) > 0 else float("nan")
-        return self.global_arrays(), MetricRecord({"train-loss": loss})
+        self.load_aggregate(weighted_mean(states, weights))
+        return self.global_arrays(), MetricRecord(
+            {k: float(np.average(v, weights=weights)) for k, v in values.items()})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

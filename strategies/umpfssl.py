@@ -565,22 +565,10 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def global_arrays(self) -> ArrayRecord:
         return model_to_record(self.model, self.body_keys)
 
-    def aggregate_train(self, server_round: int, replies):
-        replies = list(replies)
-        states, weights, losses, masks = [], [], [], []
-        for r in replies:
-            rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
-            met = r.content.metric_records[METRICS_KEY]
-            states.append(record_to_numpy(rec))
-            weights.append(float(met["num-examples"]))
-            losses.append(float(met["train-loss"]))
-            masks.append(float(met["mask-rate"]))
-        if len(states) < self.policy.min_nodes or sum(weights) <= 0:
-            return None, None
-        load_numpy_state(self.model, weighted_mean(states, weights), strict=self.body_keys is None)
-        return self.global_arrays(), MetricRecord({"train-loss": float(np.average(losses, weights=weights)),
-                                                   "mask-rate": float(np.mean(masks))})
+    reply_metrics = ("train-loss", "mask-rate")
+
+    def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
+        load_numpy_state(self.model, state, strict=self.body_keys is None)  # fedper-fix: the body only
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         out = super().run_round(server_round, grid)

@@ -14,13 +14,18 @@ def test_flwr_run_dot_on_the_embedded_default(tmp_path):
     results = tmp_path / "results"
     try:
         proc = flwr_cli(["run", ".", "--stream", "--federation-config", "num-supernodes=3",
-                         "--run-config", f"num-rounds=2 local-steps=10 results-dir='{results}' run-name='cli'"],
+                         "--run-config", f"num-rounds=2 semisfl.k-s=5 semisfl.k-u=3 results-dir='{results}' "
+                                         f"run-name='cli'"],
                         env=env, timeout=400, cwd=ROOT)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
         assert "round 2/2 | acc" in out, out[-3000:]
         rows = read_metrics(results / "cli")
         assert [r["round"] for r in rows] == [1, 2] and rows[-1]["participants"] == 3
+        # the default algorithm is Semi-SFL: split rounds with teacher and student features
+        cfg = __import__("json").loads((results / "cli" / "config.json").read_text())
+        assert cfg["algo"] == "semisfl" and cfg["server-labels"] == 500
+        assert rows[-1]["split-exchanges"] == 4 and "teacher-accuracy" in rows[-1], rows[-1]
         assert (results / "cli" / "model.pt").exists() and (results / "cli" / "curves.png").exists()
         # runtime dependency installation stayed off: no per-run env was created
         assert not (tmp_path / "flwr-home" / "runtime-envs").exists()

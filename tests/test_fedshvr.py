@@ -10,9 +10,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.serverapp import Grid
+from split_layer.transport import LocalGrid
 from flwr.supercore.task_identity import TaskIdentity
 
 from strategies import fedshvr as fs
@@ -160,47 +159,11 @@ def test_tau_k_formula_and_config_errors():
 
 
 # --------------------------------------------------------------------------- in-process server + clients
-class FakeGrid(Grid):
-    """Synchronous Grid: push_messages runs the client handler at once (no Ray, no serialisation).
-    ``fail`` = set of (round, partition-id) whose reply is an error (a dropped client)."""
-
-    def __init__(self, num_nodes: int, handler, fail=()):
-        self.ctx = {n + 1: Context(run_id=1, node_id=n + 1, node_config={"partition-id": n, "num-partitions": num_nodes},
-                                   state=RecordDict(), run_config={}) for n in range(num_nodes)}
-        self.handler, self.fail, self.replies = handler, set(fail), {}
-
-    def set_run(self, run_id):  # pragma: no cover - unused
-        pass
-
-    @property
-    def run(self):  # pragma: no cover - unused
-        return None
-
-    def create_message(self, *a, **k):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def get_node_ids(self):
-        return list(self.ctx)
-
-    def push_messages(self, messages):
-        ids = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = m.object_id
-            ctx = self.ctx[m.metadata.dst_node_id]
-            rnd = int(m.content.config_records[CONFIG_KEY]["server-round"])
-            if (rnd, int(ctx.node_config["partition-id"])) in self.fail:
-                r = Message(Error(code=1, reason="injected failure"), reply_to=m)
-            else:
-                r = self.handler(m, ctx)
-            self.replies[m.object_id] = r
-            ids.append(m.object_id)
-        return ids
-
-    def pull_messages(self, message_ids):
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
-        return self.pull_messages(self.push_messages(messages))
+def fail_at(fail):
+    """``LocalGrid.fail_if`` for a set of (round, partition-id): those replies are errors (dropped clients)."""
+    fail = set(fail)
+    return lambda m, ctx: (int(m.content.config_records[CONFIG_KEY]["server-round"]),
+                           int(ctx.node_config["partition-id"])) in fail
 
 
 @pytest.fixture()
@@ -213,7 +176,7 @@ def _run(algo: str, rounds: int, fail=(), fraction: float = 1.0, num_nodes: int 
     spec = get_algorithm(algo)
     strat = spec.strategy_cls(task, spec.parse_config({}), algo,
                               RoundPolicy(fraction_train=fraction, min_nodes=2, round_timeout=5.0))
-    grid = FakeGrid(num_nodes, spec.client["train"], fail)
+    grid = LocalGrid(num_nodes, spec.client["train"], first_node_id=1, fail_if=fail_at(fail))
     rows = []
     strat.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     return strat, grid, rows
@@ -227,7 +190,7 @@ def test_invariant_sum_omega_d_is_zero_through_client_and_server(task_identity):
     # d_k^{T+1} from every client's stored state and the server's broadcast values
     new = {k: v.detach().numpy() for k, v in strat.model.state_dict().items()}
     ds, om = [], []
-    for ctx in grid.ctx.values():
+    for ctx in grid.contexts.values():
         st = ctx.state
         ds.append(fs.correction_from_carry(record_to_numpy(st.array_records[fs.STATE_CARRY]),
                                            record_to_numpy(st.array_records[fs.STATE_PREV]), new,
@@ -255,7 +218,7 @@ def test_missed_round_resets_the_stale_correction(task_identity):
 def test_baselines_run_and_switch_what_they_should(task_identity, algo):
     strat, grid, rows = _run(algo, 2)
     assert len(rows) == 2 and all(r["participants"] == 3 for r in rows)
-    st = grid.ctx[1].state
+    st = grid.contexts[1].state
     assert (fs.STATE_CARRY in st.array_records) == (algo == "fedshvr-no-nova")
     if algo == "fed-sl":
         assert "pl-acc" not in rows[-1] and rows[-1]["tau-max"] == math.ceil(30 / 32)

@@ -192,7 +192,7 @@ def test_cosine_schedule_runs_over_global_iterations():
 # --------------------------------------------------------------------------- config
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="server-labels"):
-        SSFLStrategy(TaskConfig(), SSFLConfig(), "ssfl")
+        SSFLStrategy(TaskConfig(server_labels=0), SSFLConfig(), "ssfl")
     with pytest.raises(ConfigError, match="ssfl.user-loss='mixmatch' is not one of: crl, self-training"):
         parse_run_config({"algo": "ssfl", "ssfl.user-loss": "mixmatch"})
     with pytest.raises(ConfigError, match="ssfl.groups=0 is out of range"):

@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import Context, RecordDict
-from flwr.serverapp import Grid
+from split_layer.transport import LocalGrid
 from flwr.supercore.task_identity import TaskIdentity
 
 from flower_apps.client_app import dispatch
@@ -117,45 +116,6 @@ def test_config_errors_name_the_key():
 
 
 # ------------------------------------------------------------------------------ fake grid runs
-class FakeGrid(Grid):
-    """Synchronous in-process Grid: each pushed message is handled at once by the real
-    ClientApp dispatch, with one persistent Context per node."""
-
-    def __init__(self, num_nodes: int):
-        self.ids = list(range(101, 101 + num_nodes))
-        self.ctx = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
-                               state=RecordDict(), run_config={}) for i, n in enumerate(self.ids)}
-        self.replies, self.sent = {}, []
-
-    def set_run(self, run_id):  # pragma: no cover - unused
-        pass
-
-    @property
-    def run(self):  # pragma: no cover - unused
-        return None
-
-    def create_message(self, *a, **k):  # pragma: no cover - unused
-        raise NotImplementedError
-
-    def get_node_ids(self):
-        return list(self.ids)
-
-    def push_messages(self, messages):
-        out = []
-        for m in messages:
-            m.metadata.__dict__["_message_id"] = m.object_id
-            self.sent.append(m)
-            kind = m.metadata.message_type.split(".")[0]
-            self.replies[m.object_id] = dispatch(m, self.ctx[m.metadata.dst_node_id],
-                                                 {"train": "train", "evaluate": "evaluate"}.get(kind))
-            out.append(m.object_id)
-        return out
-
-    def pull_messages(self, message_ids):
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
-
-    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover - unused
-        return self.pull_messages(self.push_messages(messages))
 
 
 @pytest.fixture(autouse=True)
@@ -179,7 +139,7 @@ def run_fake(algo, task, num_nodes, rounds, fraction=1.0, **cfg_over):
     cfg = spec.parse_config({f"umpfssl.{k.replace('_', '-')}": v for k, v in cfg_over.items()})
     strat = spec.strategy_cls(task, cfg, algo, RoundPolicy(fraction_train=fraction, min_nodes=1,
                                                            round_timeout=60))
-    grid = FakeGrid(num_nodes)
+    grid = LocalGrid(num_nodes, dispatch, first_node_id=101)
     rows = []
     strat.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     return strat, grid, rows
@@ -224,11 +184,11 @@ def test_counted_downloads_match_cost_formula_scripted_run():
     # implementation overhead is reported apart: own model every participation, cached helpers
     assert all(r["bytes.own-weights.down"] == 4 * w for r in rows)
     # helper lists live in context.state as ids + versions (+ Corr), never weights
-    for n_id, ctx in grid.ctx.items():
+    for n_id, ctx in grid.contexts.items():
         rec = ctx.state.config_records["umpfssl.helpers"]
         assert len(rec["ids"]) == 2 and len(rec["versions"]) == 2 and len(ctx.state.array_records) == 0
     # and the server's reference table equals the clients' lists; archive keeps only referenced versions
-    for n_id, ctx in grid.ctx.items():
+    for n_id, ctx in grid.contexts.items():
         pid = ctx.node_config["partition-id"]
         rec = ctx.state.config_records["umpfssl.helpers"]
         assert strat.refs[pid] == list(zip(rec["ids"], rec["versions"]))
@@ -267,9 +227,9 @@ def test_baselines_run_and_evaluate_per_client(algo):
     assert len(r["client-accuracies"]) == 3 and 0 <= r["accuracy"] <= 1
     if algo == "local-only":
         assert r.get("bytes.weights.down", 0) == 0 and r.get("bytes.eval-weights.down", 0) == 0
-        assert all("umpfssl.model" in c.state.array_records for c in grid.ctx.values())
+        assert all("umpfssl.model" in c.state.array_records for c in grid.contexts.values())
     elif algo == "fedper-fix":
-        heads = [c.state.array_records["umpfssl.head"] for c in grid.ctx.values()]
+        heads = [c.state.array_records["umpfssl.head"] for c in grid.contexts.values()]
         assert all(set(h.keys()) == {"stages.head.0.weight", "stages.head.0.bias"} for h in heads)
         from strategies.base import array_bytes
         from strategies.common import model_to_record
