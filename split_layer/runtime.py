@@ -176,7 +176,8 @@ class SplitStrategy(SSLStrategy):
                 continue
             self.meter.add("histogram", "up", hist.nbytes)
             self.info[n] = {"partition": int(env.config["partition-id"]), "n": int(env.config["num-examples"]),
-                            "hist": hist, "concurrency": int(env.config.get("concurrency", 0))}
+                            "hist": hist, "sim-actors": int(env.config.get("sim-actors", 0)),
+                            "sim-threads": int(env.config.get("sim-threads", 0))}
 
     # ------------------------------------------------------------------ the round
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:

@@ -44,7 +44,8 @@ Simulation: all sampled clients of a round must run at once (they wait on one an
 every iteration). Each node reports in its one-time ``split-info`` reply how many
 ClientApps the simulation runs concurrently (Ray actor pool and Flower's worker threads,
 :func:`simulation_concurrency`); if fewer than the sampled nodes, the round fails at once
-with :class:`StreamConfigError` saying which federation setting to change.
+with :class:`StreamConfigError` saying which federation setting to change
+(:func:`concurrency_error`).
 """
 from __future__ import annotations
 
@@ -208,16 +209,17 @@ def ephemeral_certificate() -> tuple[bytes, bytes]:
 
 
 # --------------------------------------------------------------------------- simulation check
-def simulation_concurrency() -> int:
-    """How many ClientApps Flower's simulation runs at once, seen from inside one (0 = not simulated).
+def simulation_concurrency() -> tuple[int, int]:
+    """``(actors, threads)`` of Flower's simulation, seen from inside a ClientApp; ``(0, 0)`` if not simulated.
 
     Flower's Ray backend builds ``sum over Ray nodes of int(node CPUs / client num_cpus)``
     actors (GPUs likewise) and feeds them from ``ThreadPoolExecutor()`` workers, at most
-    ``min(32, os.cpu_count() + 4)`` of them.
+    ``min(32, os.cpu_count() + 4)`` of them: at most ``min(actors, threads)`` ClientApps run
+    at once.
     """
     ray = sys.modules.get("ray")  # imported only inside a Ray worker; never import it here
     if ray is None or not getattr(ray, "is_initialized", lambda: False)():
-        return 0
+        return 0, 0
     try:
         res = ray.get_runtime_context().get_assigned_resources()
         cpu, gpu = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
@@ -231,10 +233,27 @@ def simulation_concurrency() -> int:
                 n = min(n, int(have.get("GPU", 0) / gpu))
             actors += n
         if actors <= 0:
-            return 0
-        return min(actors, min(32, (os.cpu_count() or 1) + 4))
+            return 0, 0
+        return actors, min(32, (os.cpu_count() or 1) + 4)
     except Exception:  # noqa: BLE001 - an unknown runtime imposes no check
-        return 0
+        return 0, 0
+
+
+def concurrency_error(sampled: int, actors: int, threads: int) -> str:
+    """What to change when a simulation runs fewer ClientApps at once than a round samples."""
+    most = min(actors, threads)
+    msg = (f"split-transport='stream' needs all {sampled} sampled clients of a round running at once, but this "
+           f"simulation runs at most {most} ClientApps concurrently ({actors} Ray actors, {threads} Flower worker "
+           f"threads). ")
+    if sampled <= threads:
+        msg += (f"Give Ray more logical CPUs per real core, e.g. `flwr run . --federation-config \"num-supernodes=... "
+                f"init-args-num-cpus={sampled} client-resources-num-cpus=1\"` (the clients then share the real "
+                f"cores; `flwr run` takes whole CPUs only; `run_simulation` also takes fractions such as "
+                f"client_resources={{'num_cpus': {max(0.01, (os.cpu_count() or 1) / sampled):.2g}}}), ")
+    else:
+        msg += (f"Flower's simulation runs at most {threads} ClientApps at once on this machine "
+                f"(min(32, CPUs + 4)), so sample at most {threads} nodes per round (fraction-train), ")
+    return msg + "or use split-transport='message'."
 
 
 # --------------------------------------------------------------------------- server
@@ -481,27 +500,19 @@ class StreamTransport(Transport):
         return out
 
     def check_concurrency(self, nodes: list[int]) -> None:
-        caps = {n: int(self.strategy.info.get(n, {}).get("concurrency", 0)) for n in nodes}
-        limits = [c for c in caps.values() if c > 0]
-        if limits and len(nodes) > min(limits):
-            raise StreamConfigError(
-                f"split-transport='stream' needs all {len(nodes)} sampled clients of a round running at once, "
-                f"but this simulation runs at most {min(limits)} ClientApps concurrently. Lower the client "
-                f"resources so that more fit, e.g. `flwr run . --federation-config "
-                f"\"client-resources-num-cpus={_suggest_cpus(len(nodes))}\"` (or `flwr federation "
-                f"simulation-config ... --client-resources-num-cpus`), sample fewer nodes (fraction-train), "
-                f"or use split-transport='message'.")
+        seen = [(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0)))
+                for i in (self.strategy.info.get(n, {}) for n in nodes)]
+        seen = [(a, t) for a, t in seen if a > 0 and t > 0]
+        if not seen:
+            return
+        actors, threads = min(a for a, _ in seen), min(t for _, t in seen)
+        if len(nodes) > min(actors, threads):
+            raise StreamConfigError(concurrency_error(len(nodes), actors, threads))
 
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
-
-
-def _suggest_cpus(n: int) -> str:
-    c = max(1, os.cpu_count() or 1)
-    v = c / max(n, 1)
-    return f"{v:.2g}"
 
 
 # --------------------------------------------------------------------------- client

@@ -241,9 +241,10 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         w = _worker(msg, context, cfg)
         data = hooks.data(w)
         hist = np.asarray(hooks.label_histogram(w, data), dtype=np.int64)
+        actors, threads = simulation_concurrency()
         return reply(msg, Envelope(tensors={"histogram": hist},
                                    config={"partition-id": w.partition, "num-examples": int(len(data)),
-                                           "concurrency": simulation_concurrency(), **hooks.info(w)}))
+                                           "sim-actors": actors, "sim-threads": threads, **hooks.info(w)}))
 
     def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool,
                     recompute: bool = False) -> dict[str, torch.Tensor]:

@@ -155,5 +155,5 @@ def test_stream_with_too_few_concurrent_clientapps_fails_with_the_setting(tmp_pa
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cfg = {"algo": "scala", "num-rounds": 1, "scala.local-iterations": 1, "split-transport": "stream"}
     with pytest.raises(StreamConfigError, match=r"all 3 sampled clients.*at most 2 ClientApps.*"
-                                                r"client-resources-num-cpus"):
+                                                r"init-args-num-cpus=3 client-resources-num-cpus=1"):
         run_simulation_inprocess(cfg, tmp_path / "results", 3, "too-few", client_cpus=(os.cpu_count() or 2) / 2)

@@ -74,8 +74,8 @@ def test_encode_refuses_object_arrays():
 class Owner:
     """The strategy methods the transport uses, recording drops."""
 
-    def __init__(self, concurrency: int = 0) -> None:
-        self.info = {n: {"concurrency": concurrency} for n in range(1001, 1001 + K)}
+    def __init__(self, actors: int = 0, threads: int = 0) -> None:
+        self.info = {n: {"sim-actors": actors, "sim-threads": threads} for n in range(1001, 1001 + K)}
         self.dropped: list[tuple[int, str]] = []
 
     def base_content(self, server_round, **config):
@@ -203,18 +203,24 @@ def test_wrong_token_is_refused_by_the_server():
 
 
 def test_too_few_concurrent_clientapps_in_simulation_fail_with_the_setting_to_change():
-    owner = Owner(concurrency=2)
-    grid = LocalGrid(K, echo_handler(), threaded=True)
-    tr = StreamTransport(owner, grid, StreamOptions(timeout=5.0))
-    with pytest.raises(StreamConfigError, match="client-resources-num-cpus") as e:
-        tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": 2})
-                                 for n in grid.get_node_ids()})
-    assert "at most 2 ClientApps" in str(e.value) and "split-transport='message'" in str(e.value)
-    assert grid.pushed == 0  # failed before contacting any node
+    for actors, threads, want in ((2, 6, "init-args-num-cpus=3 client-resources-num-cpus=1"),
+                                  (8, 2, "sample at most 2 nodes per round")):
+        grid = LocalGrid(K, echo_handler(), threaded=True)
+        tr = StreamTransport(Owner(actors, threads), grid, StreamOptions(timeout=5.0))
+        with pytest.raises(StreamConfigError) as e:
+            tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": 2})
+                                     for n in grid.get_node_ids()})
+        text = str(e.value)
+        assert f"at most {min(actors, threads)} ClientApps" in text and want in text, text
+        assert "split-transport='message'" in text
+        assert grid.pushed == 0  # failed before contacting any node
+    # enough of both: no error (the round then runs)
+    owner, seen = run_round(echo_handler(), owner=Owner(3, 6))
+    assert owner.dropped == [] and len(seen[-1]) == K
 
 
 def test_simulation_concurrency_is_zero_outside_ray():
-    assert simulation_concurrency() == 0
+    assert simulation_concurrency() == (0, 0)
 
 
 def test_other_ops_go_through_flower_messages():
