@@ -19,9 +19,10 @@ Per-exchange overhead = median wall time of one *inner* exchange (steps 2..I: ne
 first, which carries the bottom, nor the last, which returns it) minus the same in one
 process (``split-inner-exchange-seconds / split-inner-exchanges``; client compute is inside
 both). Round 1 is excluded (Ray/actor start, one-time split-info). The round time compares
-whole rounds (Flower start/end messages included). The message-transport simulation gets one
-ClientApp actor so that clients run one after the other, as in-process; the stream transport
-needs all clients at once, so its simulation gets ``2 CPUs / nodes`` per client.
+whole rounds (Flower start/end messages included). Both simulations give each client
+``CPUs / nodes`` (the stream transport needs all clients at once; the message transport gets
+the same resources), so their clients compute in parallel while the in-process run computes
+them one after the other (with the same intra-op thread count as one actor).
 
 ``stream echo`` isolates the channel: the real StreamTransport and StreamClient in one
 process, clients that echo a frame of the activations' size back without computing; its
@@ -83,10 +84,10 @@ def run_local(cfg: dict, nodes: int, out: Path):
     from flower_apps.simulate import fused_run_config
     from split_layer.transport import LocalGrid
 
-    # the simulation below gives its single ClientApp actor all CPUs (Ray then sets
-    # OMP_NUM_THREADS to that count); use the same intra-op thread count here, or float sums
-    # differ in the last bits and the weights drift apart over steps
-    torch.set_num_threads(int(os.cpu_count() or 1))
+    # the simulations below give each ClientApp actor cpus/nodes CPUs, and Ray sets its
+    # intra-op threads to max(1, int(that)); use the same here, or float sums differ in the
+    # last bits and training amplifies them
+    torch.set_num_threads(max(1, int((os.cpu_count() or 1) / nodes)))
     full = {**fused_run_config(None), "results-dir": str(out), "run-name": "local", **cfg}
     t0 = time.time()
     folder = run(LocalGrid(nodes, dispatch, full), full)
@@ -97,11 +98,9 @@ def run_sim(cfg: dict, nodes: int, out: Path, name: str):
     from flower_apps.simulate import fused_run_config, run_simulation_inprocess
 
     full = {**fused_run_config(None), "results-dir": str(out), "run-name": name, **cfg}
-    cpus = float(os.cpu_count() or 1)
-    if cfg["split-transport"] == "message":
-        client_cpus = cpus  # one ClientApp actor: clients run one after the other, as in-process
-    else:
-        client_cpus = cpus / nodes  # every client of the round at once (the stream needs it)
+    # every client of a round can run at once (the stream transport needs it; the message
+    # transport gets the same resources so that the two are compared like for like)
+    client_cpus = float(os.cpu_count() or 1) / nodes
     t0 = time.time()
     folder = run_simulation_inprocess(full, nodes, client_cpus=client_cpus)
     return folder, time.time() - t0
@@ -216,9 +215,11 @@ def main(argv=None) -> int:
 
     local_folder, t = run_local(config(args), args.nodes, out)
     local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)
+    folders = {}
     for tr in ("message", "stream"):
-        folder, t = run_sim(config(args, tr), args.nodes, out, f"simulation-{tr}")
-        pairs.append((local, measure(f"simulation, {tr}", folder, t, local_folder, args.iters), args.iters))
+        folders[tr], t = run_sim(config(args, tr), args.nodes, out, f"simulation-{tr}")
+        pairs.append((local, measure(f"simulation, {tr}", folders[tr], t, local_folder, args.iters), args.iters))
+    results[-1]["max_weight_diff_vs_message"] = max_weight_diff(folders["stream"], folders["message"])
     if args.deployment:
         from tests.deploy_harness import Deployment
 
@@ -230,19 +231,22 @@ def main(argv=None) -> int:
             folder, t = run_sim({**config(args, tr), **dcfg}, args.nodes, out / "dsim", f"dsim-{tr}")
             dsim[tr] = measure(f"simulation, {tr}, depl. config", folder, t, dlocal_folder, args.deploy_iters)
         with Deployment(out / "deploy", num_nodes=args.nodes, poll_interval=args.poll) as dep:
+            dfolders = {}
             for tr in ("message", "stream"):
-                folder, t = run_deploy(dep, {**config(args, tr), **dcfg}, f"deployment-{tr}")
-                r = measure(f"deployment, {tr}", folder, t, dlocal_folder, args.deploy_iters)
+                dfolders[tr], t = run_deploy(dep, {**config(args, tr), **dcfg}, f"deployment-{tr}")
+                r = measure(f"deployment, {tr}", dfolders[tr], t, dlocal_folder, args.deploy_iters)
                 r["round_vs_simulation"] = r["round_s"] / dsim[tr]["round_s"]
                 pairs.append((dlocal, r, args.deploy_iters))
+            r["max_weight_diff_vs_message"] = max_weight_diff(dfolders["stream"], dfolders["message"])
     act = (args.batch // args.nodes, 32, 14, 14) if args.model == "cnn" else (args.batch // args.nodes, 128)
     echo_s = stream_echo(args.nodes, act, 20)
+    tiny_s = stream_echo(args.nodes, (1, 10), 20)
 
     print(f"\nsplit overhead: scala, {args.nodes} nodes, model={args.model}, B={args.batch}; medians over "
           f"rounds 2..R (round 1 has startup). An exchange = gradients to every node and their next "
           f"activations back, client compute included; 'inner' = steps 2..I only.")
     print(f"{'runtime, transport':34s} {'I':>3s} {'round s':>8s} {'s/inner exch':>12s} {'overhead ms':>12s} "
-          f"{'ratio':>6s} {'round/sim':>9s} {'max |dw|':>9s}")
+          f"{'ratio':>6s} {'round/sim':>9s} {'|dw| local':>10s} {'|dw| msg':>9s}")
     shown = set()
     for base, r, iters in pairs:
         if base["name"] not in shown:
@@ -251,11 +255,15 @@ def main(argv=None) -> int:
         over = (r["inner_s"] - base["inner_s"]) * 1000
         ratio = r["inner_s"] / base["inner_s"]
         rs = f"{r['round_vs_simulation']:9.2f}" if "round_vs_simulation" in r else f"{'':9s}"
+        vm = f"{r['max_weight_diff_vs_message']:9.2e}" if "max_weight_diff_vs_message" in r else f"{'':9s}"
         print(f"{r['name']:34s} {iters:3d} {r['round_s']:8.2f} {r['inner_s']:12.4f} {over:12.1f} {ratio:6.2f} "
-              f"{rs} {r['max_weight_diff_vs_local']:9.2e}")
+              f"{rs} {r['max_weight_diff_vs_local']:10.2e} {vm}")
     print(f"stream echo (no compute), {args.nodes} nodes, float32{list(act)} each way: "
-          f"{echo_s * 1000:.2f} ms per exchange")
-    results.append({"name": "stream echo", "exchange_s": echo_s, "shape": list(act)})
+          f"{echo_s * 1000:.2f} ms per exchange; tiny frames: {tiny_s * 1000:.2f} ms")
+    print("|dw| local: largest weight difference to the in-process run (ClientApps with another intra-op "
+          "thread count differ in the last bits, which training amplifies); |dw| msg: stream vs message "
+          "transport in the same runtime.")
+    results.append({"name": "stream echo", "exchange_s": echo_s, "shape": list(act), "tiny_exchange_s": tiny_s})
     (out / "split_overhead.json").write_text(json.dumps(results, indent=1))
     print(f"\nraw numbers: {out / 'split_overhead.json'}")
     return 0

@@ -39,7 +39,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torchvision.transforms import v2
 
 __all__ = ["Augmenter"]
 
@@ -119,9 +118,22 @@ class Augmenter:
         self.random_magnitude = bool(random_magnitude)
         self._mean = _per_channel("mean", mean, in_channels)
         self._std = _per_channel("std", std, in_channels)
-        # One op per call; the magnitude is set before each call when random.
-        self._ra = v2.RandAugment(num_ops=1)
-        self._num_bins = self._ra.num_magnitude_bins
+        # One op per call; the magnitude is set before each call when random. Built on first
+        # use: importing torchvision costs ~1.5 s, paid by every ClientApp process in a
+        # deployment, and only the strong view needs it.
+        self._ra_op = None
+
+    @property
+    def _ra(self):
+        if self._ra_op is None:
+            from torchvision.transforms import v2
+
+            self._ra_op = v2.RandAugment(num_ops=1)
+        return self._ra_op
+
+    @property
+    def _num_bins(self) -> int:
+        return self._ra.num_magnitude_bins
 
     def __repr__(self) -> str:
         return (f"Augmenter(in_channels={self.in_channels}, image_size={self.image_size}, flip={self.flip}, "
