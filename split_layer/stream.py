@@ -369,10 +369,8 @@ class StreamTransport(Transport):
         self.msg_of: dict[int, str] = {}    # node -> id of its start message
         self.alive: set[int] = set()
         self.broken: dict[int, str] = {}    # node -> why its stream ended
-        self._early: dict[int, Message] = {}
-        self.replied: set[int] = set()
-        self._last_pull = 0.0
-        self.stats = {"frames": 0}
+        self.replied: set[int] = set()      # nodes whose Flower reply was pulled (pull once only)
+        self._early: dict[int, Message] = {}  # good replies pulled before the round's end
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, node: int, why: str) -> None:
@@ -382,13 +380,10 @@ class StreamTransport(Transport):
             if self.server is not None:
                 self.server.end(node)
 
-    def _check_flower_errors(self, force: bool = False) -> None:
-        """Error replies to the start messages mean the ClientApp died: drop those nodes now."""
-        now = time.monotonic()
-        if not force and now - self._last_pull < 0.25:
-            return
-        self._last_pull = now
-        ids = {self.msg_of[n]: n for n in self.alive if n not in self._early and n not in self.replied}
+    def _pull_replies(self) -> None:
+        """Pull the replies to the start messages: an error means the ClientApp died (drop the
+        node now); a good one is the node's final reply."""
+        ids = {self.msg_of[n]: n for n in self.alive if n not in self.replied}
         if not ids:
             return
         for r in self.grid.pull_messages(list(ids)):
@@ -408,7 +403,7 @@ class StreamTransport(Transport):
         while True:
             waiting = (nodes & self.alive) - set(got)
             for n in sorted(waiting & set(self.broken)):
-                self._check_flower_errors(force=True)  # prefer the ClientApp's own error text
+                self._pull_replies()  # prefer the ClientApp's own error text
                 self._drop(n, f"{self.broken[n]} before sending its {what}")
             waiting -= set(self.broken)
             if not waiting:
@@ -421,7 +416,7 @@ class StreamTransport(Transport):
             try:
                 node, kind, payload = self.server.events.get(timeout=min(left, 0.25))
             except queue.Empty:
-                self._check_flower_errors(force=True)
+                self._pull_replies()
                 continue
             if kind == "closed":
                 self.broken.setdefault(node, str(payload))
@@ -435,7 +430,6 @@ class StreamTransport(Transport):
             except StreamError as e:
                 self._drop(node, str(e))
                 continue
-            self.stats["frames"] += 1
             got[node] = (header, tensors)
 
     # ------------------------------------------------------------------ the protocol
@@ -491,7 +485,7 @@ class StreamTransport(Transport):
             waiting = (nodes & self.alive) - set(out)
             if not waiting or time.monotonic() > deadline:
                 break
-            self._check_flower_errors(force=True)
+            self._pull_replies()
             if not self._early:
                 time.sleep(0.01)
         for n in sorted((nodes & self.alive) - set(out)):
