@@ -27,6 +27,12 @@ seed for the augmentation draw and the dropout masks
 statistics are updated once (buffers are restored after the recomputation). So the bottom
 follows exactly the trajectory of an in-process model fed the same gradients.
 
+Stream transport (``split-stream-address`` in the step-1 config, :mod:`split_layer.stream`):
+the same handler runs the whole round in the one call of step 1: steps 1..I over the gRPC
+stream, each forward pass once with its graph kept until the gradients arrive, and the
+final bottom returned as the Flower reply. Same batches, seeds and hooks, hence the same
+weights as the message path. Hooks see ``w.recomputing`` only in the message path.
+
 Validation: incoming gradients must name a stream that was sent with a graph and match
 its shape and dtype, with no NaN/Inf; otherwise :class:`SplitValidationError` is raised
 (the reply is an error; nothing is applied).
