@@ -131,14 +131,17 @@ class LocalGrid:
     like the simulation engine); an exception becomes an error reply, as in Flower.
     ``fail_nodes`` makes the listed nodes never answer (to test timeouts); ``fail_if(msg,
     context)`` returning true turns that message's reply into an error (a node that crashed).
-    ``sent`` keeps every pushed message (to inspect what the server sent).
+    ``sent`` keeps every pushed message (to inspect what the server sent). ``node_ids``: the
+    nodes' ids in partition order (default ``first_node_id + i``; random ids, as in Flower's
+    simulation, test that nothing depends on their order).
     ``threaded=True`` runs each message's handler in its own thread (the stream transport
     needs every sampled node active at once, as Flower's runtimes provide).
     """
 
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
                  run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
-                 fail_if: Callable[[Message, Context], bool] | None = None) -> None:
+                 fail_if: Callable[[Message, Context], bool] | None = None,
+                 node_ids: list[int] | None = None) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -148,11 +151,14 @@ class LocalGrid:
             except RuntimeError:
                 setattr(TaskIdentity, attr, val)
         self.handler = handler
+        ids = list(node_ids) if node_ids is not None else [first_node_id + i for i in range(num_nodes)]
+        if len(ids) != num_nodes or len(set(ids)) != num_nodes:
+            raise ValueError(f"node_ids must be {num_nodes} distinct ids")
+        # partition i goes to the i-th id, as Flower's simulation assigns them in creation order
         self.contexts = {
-            first_node_id + i: Context(run_id=1, node_id=first_node_id + i,
-                                       node_config={"partition-id": i, "num-partitions": num_nodes},
-                                       state=_RD(), run_config=dict(run_config or {}))
-            for i in range(num_nodes)}
+            nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+                         state=_RD(), run_config=dict(run_config or {}))
+            for i, nid in enumerate(ids)}
         self.fail_nodes: set[int] = set()
         self.fail_if = fail_if
         self.sent: list[Message] = []

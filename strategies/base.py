@@ -106,6 +106,8 @@ class SSLStrategy(Strategy):
         self.model: torch.nn.Module | None = None
         self.dropped: list[int] = []
         self.num_partitions = 0
+        self.partition_of: dict[int, int] = {}   # node id -> partition id (learned once per node)
+        self._asked: set[int] = set()
 
     # ------------------------------------------------------------------ setup
     def setup(self, grid: Grid | None) -> None:
@@ -135,13 +137,45 @@ class SSLStrategy(Strategy):
 
     # ------------------------------------------------------------------ messaging
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
+        """``fraction-train`` of the nodes, drawn by a seeded RNG over the nodes in partition order.
+
+        Simulated SuperNodes get random ids (partition ids in creation order), so drawing over
+        sorted node ids would pick other partitions in every run; the partition ids are asked
+        once per node (``node-info``) when not all nodes are sampled. Nodes that do not answer
+        it (e.g. a ClientApp without that handler) come last, in node-id order.
+        """
         nodes = sorted(grid.get_node_ids())
         if len(nodes) < self.policy.min_nodes:
             nodes = self.wait_for_nodes(grid)
         k = max(self.policy.min_nodes, int(round(self.policy.fraction_train * len(nodes))))
         k = min(k, len(nodes))
+        if k == len(nodes):
+            return nodes
+        self.learn_partitions(grid, nodes)
+        ordered = sorted(nodes, key=lambda n: (self.partition_of.get(n, 1 << 62), n))
         rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
-        return sorted(rng.sample(nodes, k))
+        return sorted(rng.sample(ordered, k))
+
+    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01) -> None:
+        """Ask nodes not asked before for their partition id (one ``node-info`` query each)."""
+        from .common import NODE_INFO_OP
+
+        todo = [n for n in nodes if n not in self._asked]
+        if not todo:
+            return
+        self._asked.update(todo)
+        msgs = [Message(self.base_content(0, op=NODE_INFO_OP), dst_node_id=n, message_type="query")
+                for n in todo]
+        pending = set(grid.push_messages(msgs))
+        deadline = time.time() + min(self.policy.round_timeout, 120.0)
+        while pending and time.time() < deadline:
+            for r in grid.pull_messages(list(pending)):
+                pending.discard(r.metadata.reply_to_message_id)
+                if r.has_error() or CONFIG_KEY not in r.content.config_records:
+                    continue  # sampled after the nodes that answered
+                self.partition_of[r.metadata.src_node_id] = int(r.content.config_records[CONFIG_KEY]["partition-id"])
+            if pending:
+                time.sleep(poll)
 
     def base_content(self, server_round: int, **config: Any) -> RecordDict:
         cfg = {"server-round": server_round, "algo": self.algo, **config}

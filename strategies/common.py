@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from tasks.augment import Augmenter
 from tasks.config import ConfigError, TaskConfig, parse_dataclass, to_flat
@@ -126,9 +126,11 @@ def task_from_record(rec: ConfigRecord) -> TaskConfig:
     return parse_dataclass(TaskConfig, dict(rec), strict=False)
 
 
-def client_env(msg: Message, context: Context, label_mode: str, with_test: bool = False) -> Env:
-    """The node's environment, rebuilt from the message's ``task`` record (cached per process)."""
-    task = task_from_record(msg.content.config_records[TASK_KEY])
+NODE_INFO_OP = "node-info"  # query op every ClientApp of this library answers (see node_info)
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """(partition-id, num-partitions) from the node config, validated."""
     nc = context.node_config
     try:
         pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
@@ -138,6 +140,22 @@ def client_env(msg: Message, context: Context, label_mode: str, with_test: bool 
             "--node-config \"partition-id=<i> num-partitions=<n>\"") from e
     if not 0 <= pid < n:
         raise ConfigError(f"node config partition-id={pid} is outside [0, num-partitions={n})")
+    return pid, n
+
+
+def node_info(msg: Message, context: Context) -> Message:
+    """Reply to a ``node-info`` query: this node's partition id (the server samples in partition
+    order, so that runs repeat although simulated node ids are random)."""
+    pid, n = node_partition(context)
+    return Message(RecordDict({CONFIG_KEY: ConfigRecord({"partition-id": pid, "num-partitions": n})}),
+                   reply_to=msg)
+
+
+def client_env(msg: Message, context: Context, label_mode: str, with_test: bool = False) -> Env:
+    """The node's environment, rebuilt from the message's ``task`` record (cached per process)."""
+    task = task_from_record(msg.content.config_records[TASK_KEY])
+    nc = context.node_config
+    pid, n = node_partition(context)
     local = task
     if str(nc.get("data-path", "")):  # this node's own copy of the same dataset (docs/deployment.md)
         local = dataclasses.replace(task, dataset=str(nc["data-path"]))

@@ -28,3 +28,35 @@ def test_fedavg_and_supervised_only_three_supernodes(sim_env):
     folder2 = run_simulation_inprocess({**base, "algo": "supervised-only"}, sim_env / "results", 3, "sup")
     rows2 = read_metrics(folder2)
     assert rows2[-1]["bytes.total"] == 0 and rows2[-1]["accuracy"] > 0.3
+
+
+def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids():
+    """Simulated node ids are random; sampling must follow partition ids, so runs repeat."""
+    import random
+
+    from flower_apps.client_app import dispatch
+    from flower_apps.config import parse_run_config
+    from flower_apps.simulate import fused_run_config
+    from split_layer.transport import LocalGrid
+    from strategies.base import RoundPolicy
+
+    p = parse_run_config({**fused_run_config(None), "algo": "fedavg"})
+    picked = []
+    for seed in (1, 2):
+        ids = random.Random(seed).sample(range(1, 1 << 60), 10)   # random ids, partition i -> ids[i]
+        grid = LocalGrid(10, dispatch, node_ids=ids)
+        s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(fraction_train=0.3, min_nodes=2))
+        parts = []
+        for rnd in (1, 2, 3):
+            nodes = s.sample_nodes(grid, rnd)
+            parts.append(sorted(grid.contexts[n].node_config["partition-id"] for n in nodes))
+        picked.append(parts)
+        asked = [m for m in grid.sent if m.content.config_records["config"].get("op") == "node-info"]
+        assert len(asked) == 10  # each node asked once, not every round
+    assert picked[0] == picked[1] and all(len(x) == 3 for x in picked[0])
+    assert len({tuple(x) for x in picked[0]}) > 1  # rounds still differ
+
+    # a ClientApp that does not answer node-info: sampling still works (node-id order), no drop
+    grid = LocalGrid(4, lambda m, c: (_ for _ in ()).throw(RuntimeError("no such op")))
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(fraction_train=0.5, min_nodes=2))
+    assert len(s.sample_nodes(grid, 1)) == 2 and s.dropped == []
