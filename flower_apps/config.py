@@ -45,10 +45,14 @@ class AppConfig:
             raise ConfigError(f"algo={self.algo!r} is not one of: {', '.join(algorithm_names())}")
         if self.resume and not self.run_name:
             raise ConfigError("resume=true needs run-name='<the run folder to continue>'")
-        if self.split_transport == "stream" and self.split_stream_host in ("0.0.0.0", "::", "") \
-                and not self.split_stream_advertise:
-            raise ConfigError(f"split-stream-host={self.split_stream_host!r} binds every interface; set "
-                              f"split-stream-advertise to the address SuperNodes reach the ServerApp at")
+        if self.split_transport == "stream":  # the stream's own rules (one place: StreamOptions)
+            from split_layer.stream import StreamOptions
+
+            try:
+                StreamOptions(host=self.split_stream_host, advertise=self.split_stream_advertise,
+                              port=self.split_stream_port, tls=self.split_stream_tls)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run-name={self.run_name!r} must be a plain folder name (no '/'); "
                               f"put the parent folder in results-dir")

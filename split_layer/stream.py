@@ -258,8 +258,8 @@ def concurrency_error(sampled: int, actors: int, threads: int) -> str:
 
 # --------------------------------------------------------------------------- server
 class _Session:
-    def __init__(self, node: int, token: str) -> None:
-        self.node, self.token = node, token
+    def __init__(self, token: str) -> None:
+        self.token = token
         self.outbox: queue.Queue = queue.Queue()
         self.connected = False
         self.closed = False
@@ -272,7 +272,7 @@ class _Server:
         import grpc
 
         self.events: queue.Queue = queue.Queue()   # (node, kind, payload)
-        self.sessions = {n: _Session(n, secrets.token_hex(32)) for n in nodes}
+        self.sessions = {n: _Session(secrets.token_hex(32)) for n in nodes}
         self._lock = threading.Lock()
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
