@@ -26,14 +26,27 @@ the split runtime and the algorithms do not change); the client side is :class:`
 Frames are :func:`encode` d as ``MAGIC | u32 header length | JSON header | raw tensor
 bytes`` (dtype whitelist, sizes checked on :func:`decode`); no pickle ever crosses the wire.
 
-Security: the secret is 256 random bits per node and round, compared in constant time;
-a frame from an unknown node, with a wrong secret, or a second connection for the same
-node is refused. TLS (``split-stream-tls``): ``auto`` (default) encrypts unless the
-endpoint is bound to a loopback address, ``on`` always, ``off`` never. The server makes
-an ephemeral self-signed certificate per run (``cryptography``, a Flower dependency) and
-ships it in the Flower start message, which itself travels over the deployment's
-authenticated (TLS) channel, so there are no certificate files to manage; the client
-trusts exactly that certificate.
+Security (issue 14; threat model and tests in ``docs/bad-input.md``): the secret is 256
+random bits per node and round. A client presents it in the **call metadata**
+(``x-flowerssl-node``, ``x-flowerssl-token-bin``), and a server interceptor checks it -- as
+bytes, in constant time, also for unknown nodes -- before any handler runs or any frame is
+read: an unauthenticated call is refused at once (``UNAUTHENTICATED``, reason logged), so it
+never holds a worker thread or waits on the network, and no concurrency limit that a genuine
+node could run into exists for it to fill (``maximum_concurrent_rpcs`` is not used). Each
+node has one stream per round (a second one is refused); the round's server accepts only
+this round's nodes and tokens. Every message is bounded by the largest frame the round can
+legitimately carry (:func:`max_frame_bytes` of the strategy's ``stream_specs``, plus a
+margin), so gRPC rejects an oversized message before buffering it; the first frame has a
+deadline (``first-frame`` seconds after the call starts); idle connections are closed
+(handshake timeout, idle timeout, keepalive pings both ways). TLS (``split-stream-tls``):
+``auto`` (default) encrypts unless the address the clients dial (``split-stream-advertise``,
+else the host) is a loopback address, ``on`` always, ``off`` never. The server makes a
+fresh self-signed certificate for every round, valid for that round's longest legitimate
+duration plus an hour, and ships it in the Flower start message, which itself travels over
+the deployment's authenticated (TLS) channel, so there are no certificate files to manage;
+the client trusts exactly that certificate. Each of the client's waits is bounded by
+``split-stream-timeout`` (one wait per frame, not the round), and keepalive pings detect a
+half-open connection.
 
 Faults and waits: a node whose stream breaks, whose frame is malformed, whose Flower reply
 is an error or that is silent for ``round-timeout`` seconds is dropped from the rest of the
@@ -49,6 +62,7 @@ with :class:`StreamConfigError` saying which federation setting to change
 """
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import hmac
 import ipaddress
@@ -65,6 +79,7 @@ from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any, Iterator
 
+import grpc
 import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.common import log
@@ -72,7 +87,7 @@ from flwr.common import log
 from .transport import Envelope, FlowerTransport, Transport, envelope_from_message, _fill
 
 __all__ = ["StreamOptions", "StreamTransport", "StreamClient", "StreamError", "StreamConfigError",
-           "encode", "decode", "simulation_concurrency", "TRANSPORTS", "STREAM_KEYS"]
+           "encode", "decode", "simulation_concurrency", "max_frame_bytes", "TRANSPORTS", "STREAM_KEYS"]
 
 TRANSPORTS = ("message", "stream")
 TLS_MODES = ("auto", "on", "off")
@@ -81,10 +96,30 @@ TLS_NAME = "flower-ssl-split-stream"   # the certificate's name; the client pins
 MAGIC = b"FSS1"
 # config keys of the start message (client side)
 STREAM_KEYS = {"address": "split-stream-address", "token": "split-stream-token", "node": "split-stream-node",
-               "cert": "split-stream-cert", "timeout": "split-stream-timeout"}
+               "cert": "split-stream-cert", "timeout": "split-stream-timeout",
+               "max-frame": "split-stream-max-frame"}
+# call metadata that authenticates a client (checked before any frame is read)
+NODE_HEADER = "x-flowerssl-node"
+TOKEN_HEADER = "x-flowerssl-token-bin"   # "-bin": raw bytes, so any token value arrives and is compared as bytes
 _DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
-_GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
-                 ("grpc.so_reuseport", 0)]
+FRAME_MARGIN = 64 * 1024          # header, tensor table, error text on top of the tensor bytes
+DEFAULT_MAX_FRAME = 64 * 2 ** 20  # a transport whose owner declares no stream specs
+FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout)
+MAX_REFUSAL_LOGS = 20             # per round; the rest are counted and summarised at the round's end
+# keepalive: the client pings every 30 s (also while it computes and sends nothing); the server
+# accepts pings that often, pings every 60 s itself, and closes a connection whose pings go
+# unanswered for 20 s, one that has not finished its handshake in 20 s or that holds no call for 60 s
+_KEEPALIVE_CLIENT = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
+                     ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0)]
+_KEEPALIVE_SERVER = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                     ("grpc.http2.max_ping_strikes", 3), ("grpc.server_handshake_timeout_ms", 20_000),
+                     ("grpc.max_connection_idle_ms", 60_000), ("grpc.max_concurrent_streams", 4)]
+
+
+def _grpc_options(max_receive: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", int(max_receive)),
+            ("grpc.so_reuseport", 0)]
 
 
 class StreamError(RuntimeError):
@@ -144,6 +179,18 @@ def decode(buf: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise StreamError(f"malformed split-stream frame: {type(e).__name__}: {e}") from None
 
 
+def max_frame_bytes(specs: dict[str, Any] | None) -> int:
+    """The largest frame a node may send: the tensor bytes of its ``stream_specs`` plus
+    :data:`FRAME_MARGIN`` (JSON header, tensor table, an error text). ``None``: no specs
+    known, :data:`DEFAULT_MAX_FRAME`."""
+    if specs is None:
+        return DEFAULT_MAX_FRAME
+    total = 0
+    for spec in specs.values():
+        total += int(np.prod(tuple(spec.shape), dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    return int(total + FRAME_MARGIN + 128 * len(specs))
+
+
 # --------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class StreamOptions:
@@ -167,9 +214,10 @@ class StreamOptions:
         return self.advertise or self.host
 
     def use_tls(self) -> bool:
+        """``auto``: TLS unless the address the clients dial (advertise, else host) is loopback."""
         if self.tls != "auto":
             return self.tls == "on"
-        return not _is_loopback(self.host)
+        return not _is_loopback(self.address_host)
 
 
 def _is_loopback(host: str) -> bool:
@@ -181,31 +229,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-_CERT: tuple[bytes, bytes] | None = None
+def ephemeral_certificate(valid_for: float = 86_400.0) -> tuple[bytes, bytes]:
+    """(key PEM, certificate PEM): a fresh self-signed P-256 certificate (one per round),
+    valid from 5 minutes ago for ``valid_for`` seconds."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
-
-def ephemeral_certificate() -> tuple[bytes, bytes]:
-    """(key PEM, certificate PEM): a self-signed P-256 certificate, made once per process."""
-    global _CERT
-    if _CERT is None:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
-        now = _dt.datetime.now(_dt.timezone.utc)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                .serial_number(x509.random_serial_number()).not_valid_before(now - _dt.timedelta(minutes=5))
-                .not_valid_after(now + _dt.timedelta(days=7))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .sign(key, hashes.SHA256()))
-        _CERT = (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                   serialization.NoEncryption()),
-                 cert.public_bytes(serialization.Encoding.PEM))
-    return _CERT
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
+    now = _dt.datetime.now(_dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - _dt.timedelta(minutes=5))
+            .not_valid_after(now + _dt.timedelta(seconds=float(valid_for)))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()),
+            cert.public_bytes(serialization.Encoding.PEM))
 
 
 # --------------------------------------------------------------------------- simulation check
@@ -260,30 +303,49 @@ def concurrency_error(sampled: int, actors: int, threads: int) -> str:
 class _Session:
     def __init__(self, token: str) -> None:
         self.token = token
+        self.key = token.encode()        # compared as bytes
         self.outbox: queue.Queue = queue.Queue()
         self.connected = False
         self.closed = False
+        self.context = None              # the live call's context (to cancel it)
+
+
+def _metadata_value(metadata, key: str):
+    for k, v in metadata or ():
+        if k == key:
+            return v
+    return None
 
 
 class _Server:
-    """A gRPC server with one bidirectional-stream method; events go to one queue."""
+    """A gRPC server with one bidirectional-stream method; events go to one queue.
 
-    def __init__(self, opts: StreamOptions, nodes: list[int]) -> None:
-        import grpc
+    ``max_frame``: the largest message accepted (bytes); ``lifetime``: seconds the round may
+    legitimately last (the certificate's validity, plus an hour).
+    """
 
+    def __init__(self, opts: StreamOptions, nodes: list[int], max_frame: int = DEFAULT_MAX_FRAME,
+                 lifetime: float = 86_400.0) -> None:
         self.events: queue.Queue = queue.Queue()   # (node, kind, payload)
         self.sessions = {n: _Session(secrets.token_hex(32)) for n in nodes}
+        self.max_frame = int(max_frame)
+        self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S)
+        self.refused: collections.Counter = collections.Counter()   # reason -> count
+        self._logged = 0
+        self._dummy = secrets.token_hex(32).encode()  # compared against for unknown nodes (same timing)
         self._lock = threading.Lock()
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * len(nodes) + 4,
+        # Genuine streams hold one worker each (one per node); refusals take one briefly and
+        # never read the network, so a flood of them delays but cannot starve a node.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=len(nodes) + 4,
                                                              thread_name_prefix="split-stream"),
-                                  handlers=[handler], options=_GRPC_OPTIONS,
-                                  maximum_concurrent_rpcs=len(nodes) + 4)
+                                  handlers=[handler], interceptors=[_AuthInterceptor(self)],
+                                  options=_grpc_options(self.max_frame) + _KEEPALIVE_SERVER)
         self.tls = opts.use_tls()
         bind = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
         if self.tls:
-            key, cert = ephemeral_certificate()
+            key, cert = ephemeral_certificate(lifetime + 3600.0)
             port = self.server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
             self.cert = cert.decode()
         else:
@@ -292,31 +354,81 @@ class _Server:
         if not port:
             raise StreamConfigError(f"cannot listen on split-stream-host={opts.host!r} split-stream-port={opts.port}")
         h = opts.address_host
+        self.port = port
         self.address = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
         self.server.start()
 
-    def _exchange(self, request_iterator: Iterator[bytes], context) -> Iterator[bytes]:
-        import grpc
+    # ------------------------------------------------------------------ authentication
+    def authenticate(self, metadata) -> tuple[int | None, str]:
+        """``(node, "")`` for a call that carries a node of this round and its token, else
+        ``(None, why)``. The token is compared as bytes in constant time (also for an
+        unknown node, against a dummy)."""
+        raw_node, token = _metadata_value(metadata, NODE_HEADER), _metadata_value(metadata, TOKEN_HEADER)
+        if raw_node is None or token is None:
+            return None, "no node id or token in the call metadata"
+        if isinstance(token, str):
+            token = token.encode("utf-8", "surrogateescape")
+        try:
+            node = int(raw_node)
+        except (TypeError, ValueError):
+            node = None
+        sess = self.sessions.get(node) if node is not None else None
+        ok = hmac.compare_digest(bytes(token), sess.key if sess is not None else self._dummy)
+        if sess is None:
+            return None, f"node {str(raw_node)[:40]!r} is not in this round"
+        if not ok:
+            return None, f"wrong token for node {node}"
+        return node, ""
 
+    def refuse(self, why: str, peer: str = "") -> None:
+        with self._lock:
+            self.refused[why.split(" for node")[0]] += 1
+            n = self._logged = self._logged + 1
+        if n <= MAX_REFUSAL_LOGS:
+            log(WARNING, "split stream: refused %s: %s", peer or "a call", why)
+
+    def _refusal(self, why: str):
+        def refuse(request_iterator, context):  # never reads a frame
+            self.refuse(why, context.peer())
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"split stream: {why}")
+        return grpc.stream_stream_rpc_method_handler(refuse)
+
+    # ------------------------------------------------------------------ the call
+    def _exchange(self, request_iterator: Iterator[bytes], context) -> Iterator[bytes]:
+        node, why = self.authenticate(context.invocation_metadata())  # again, in case of another door in
+        if node is None:
+            self.refuse(why, context.peer())
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"split stream: {why}")
+            return
+        sess = self.sessions[node]
+        with self._lock:
+            if sess.connected or sess.closed:
+                why = f"node {node} is already connected this round" if sess.connected else \
+                    f"node {node} was already dropped from this round"
+                self.refuse(why, context.peer())
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"split stream: {why}")
+                return
+            sess.connected = True
+            sess.context = context
+        timer = threading.Timer(self.first_frame_s, self._first_frame_late, args=(node, context))
+        timer.daemon = True
+        timer.start()
         try:
             first = next(request_iterator)
         except StopIteration:
+            self.events.put((node, "closed", "the client closed its stream before its first frame"))
             return
+        except Exception as e:  # noqa: BLE001 - cancelled (deadline) or broken
+            self.events.put((node, "closed", f"no first frame: {type(e).__name__}: {e}"))
+            return
+        finally:
+            timer.cancel()
         try:
             header, tensors = decode(first)
-            node = int(header.get("node", -1))
-        except (StreamError, TypeError, ValueError) as e:
+        except StreamError as e:
+            self.events.put((node, "closed", f"bad first frame: {e}"))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad first frame: {e}")
             return
-        sess = self.sessions.get(node)
-        if sess is None or not hmac.compare_digest(str(header.get("token", "")), sess.token):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unknown node or wrong split-stream token")
-            return
-        with self._lock:
-            if sess.connected or sess.closed:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"node {node} is already connected this round")
-                return
-            sess.connected = True
         self.events.put((node, "frame", (header, tensors)))
         # lock-step in this one thread: a response out, then the client's next frame in
         while context.is_active():
@@ -338,19 +450,44 @@ class _Server:
             self.events.put((node, "frame", req))
         self.events.put((node, "closed", "the stream was cancelled"))
 
+    def _first_frame_late(self, node: int, context) -> None:
+        self.events.put((node, "closed", f"no first frame within {self.first_frame_s:.0f} s of the call"))
+        context.cancel()
+
     def send(self, node: int, frame: bytes) -> None:
         self.sessions[node].outbox.put(frame)
 
-    def end(self, node: int) -> None:
+    def end(self, node: int, cancel: bool = False) -> None:
+        """No more frames for ``node``; ``cancel``: also cut its call now (a dropped node)."""
         sess = self.sessions.get(node)
         if sess is not None and not sess.closed:
             sess.closed = True
             sess.outbox.put(None)
+            if cancel and sess.context is not None:
+                sess.context.cancel()
 
     def stop(self) -> None:
         for n in list(self.sessions):
             self.end(n)
         self.server.stop(grace=1.0)
+        if self._logged > MAX_REFUSAL_LOGS:
+            log(WARNING, "split stream: %d call(s) refused this round in all: %s", self._logged, dict(self.refused))
+
+
+class _AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses a call whose metadata does not authenticate a node of this round, before any
+    handler runs or any frame is read."""
+
+    def __init__(self, server: _Server) -> None:
+        self.srv = server
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method != METHOD:
+            return self.srv._refusal(f"unknown method {str(handler_call_details.method)[:80]!r}")
+        node, why = self.srv.authenticate(handler_call_details.invocation_metadata)
+        if node is None:
+            return self.srv._refusal(why)
+        return continuation(handler_call_details)
 
 
 class StreamTransport(Transport):
@@ -378,7 +515,7 @@ class StreamTransport(Transport):
             self.alive.discard(node)
             self.strategy._drop(node, why)
             if self.server is not None:
-                self.server.end(node)
+                self.server.end(node, cancel=True)
 
     def _pull_replies(self) -> None:
         """Pull the replies to the start messages: an error means the ClientApp died (drop the
@@ -445,7 +582,7 @@ class StreamTransport(Transport):
         # nodes the runtime stopped addressing (dropped by validation) leave the stream
         for n in sorted(self.alive - set(out)):
             self.alive.discard(n)
-            self.server.end(n)
+            self.server.end(n, cancel=True)
         for n, env in out.items():
             if n in self.alive:
                 self.server.send(n, encode({"step": step, "final": step > iters}, env.tensors))
@@ -456,13 +593,16 @@ class StreamTransport(Transport):
     def _start(self, server_round: int, out: dict[int, Envelope]) -> dict[int, Envelope]:
         self.check_concurrency(list(out))
         self.close()
-        self.server = _Server(self.opts, sorted(out))
+        iters = int(next(iter(out.values())).config.get("split-iters", 1))
+        self.server = _Server(self.opts, sorted(out), max_frame=self.max_frame(list(out)),
+                              lifetime=self.opts.timeout * (iters + 2))
         self._early, self.broken, self.replied = {}, {}, set()
         msgs = []
         for n, env in out.items():
             extra = {STREAM_KEYS["address"]: self.server.address, STREAM_KEYS["token"]: self.server.sessions[n].token,
                      STREAM_KEYS["node"]: int(n),
-                     STREAM_KEYS["cert"]: self.server.cert, STREAM_KEYS["timeout"]: float(self.opts.timeout)}
+                     STREAM_KEYS["cert"]: self.server.cert, STREAM_KEYS["timeout"]: float(self.opts.timeout),
+                     STREAM_KEYS["max-frame"]: int(self.server.max_frame)}
             content = _fill(self.strategy.base_content(server_round, op="split", **env.config, **extra), env)
             msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(server_round)))
         ids = self.grid.push_messages(msgs)
@@ -493,6 +633,14 @@ class StreamTransport(Transport):
         self.close()
         return out
 
+    def max_frame(self, nodes: list[int]) -> int:
+        """The round's message bound: the largest frame any of ``nodes`` may send, from the
+        strategy's ``stream_specs`` (gradients down are never larger than the streams up)."""
+        specs = getattr(self.strategy, "stream_specs", None)
+        if specs is None:
+            return DEFAULT_MAX_FRAME
+        return max(max_frame_bytes(specs(n)) for n in nodes)
+
     def check_concurrency(self, nodes: list[int]) -> None:
         seen = [(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0)))
                 for i in (self.strategy.info.get(n, {}) for n in nodes)]
@@ -511,33 +659,35 @@ class StreamTransport(Transport):
 
 # --------------------------------------------------------------------------- client
 class StreamClient:
-    """The ClientApp end of one round's stream (lock-step: send a frame, receive a frame)."""
+    """The ClientApp end of one round's stream (lock-step: send a frame, receive a frame).
 
-    def __init__(self, address: str, token: str, node: int, cert: str = "", timeout: float = 600.0,
-                 frames: int = 1) -> None:
-        import grpc
+    The call starts with the first :meth:`send` (its metadata authenticates the node, the
+    frame follows at once); each :meth:`recv` waits at most ``timeout`` seconds, and
+    keepalive pings detect a dead server sooner. ``max_frame``: the largest message
+    accepted from the server (the round's bound, from the start message; 0 = unbounded).
+    """
 
-        self.node, self.token, self.timeout = node, token, float(timeout)
+    def __init__(self, address: str, token: str | bytes, node: int, cert: str = "", timeout: float = 600.0,
+                 frames: int = 1, max_frame: int = 0) -> None:
+        self.node, self.timeout = node, float(timeout)
+        self.token = token if isinstance(token, bytes) else str(token).encode("utf-8", "surrogateescape")
+        opts = _grpc_options(int(max_frame) if max_frame and max_frame > 0 else -1) + _KEEPALIVE_CLIENT
         if cert:
             creds = grpc.ssl_channel_credentials(root_certificates=cert.encode())
             self.channel = grpc.secure_channel(address, creds,
-                                               options=_GRPC_OPTIONS + [("grpc.ssl_target_name_override", TLS_NAME)])
+                                               options=opts + [("grpc.ssl_target_name_override", TLS_NAME)])
         else:
-            self.channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+            self.channel = grpc.insecure_channel(address, options=opts)
         self.address = address
         self._out: queue.Queue = queue.Queue()
-        self._first = True
+        self.call = None
+        wait = min(self.timeout, 120.0)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=min(self.timeout, 120.0))
+            grpc.channel_ready_future(self.channel).result(timeout=wait)
         except grpc.FutureTimeoutError:
             self.channel.close()
-            raise StreamError(f"cannot connect to the split stream at {address} within "
-                              f"{min(self.timeout, 120.0):.0f} s (is split-stream-advertise reachable from "
-                              f"this SuperNode?)") from None
-        call = self.channel.stream_stream(METHOD)
-        # every wait of this client is bounded: the whole call has a deadline of
-        # ``timeout`` per expected frame (the server bounds each of its own waits by ``timeout``)
-        self.call = call(self._requests(), wait_for_ready=True, timeout=self.timeout * max(frames, 1))
+            raise StreamError(f"cannot connect to the split stream at {address} within {wait:.0f} s (is "
+                              f"split-stream-advertise reachable from this SuperNode?)") from None
 
     def _requests(self) -> Iterator[bytes]:
         while True:
@@ -546,26 +696,44 @@ class StreamClient:
                 return
             yield item
 
+    def _start_call(self) -> None:
+        metadata = ((NODE_HEADER, str(int(self.node))), (TOKEN_HEADER, self.token))
+        self.call = self.channel.stream_stream(METHOD)(self._requests(), metadata=metadata, wait_for_ready=True)
+
     def send(self, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
-        if self._first:
-            header = {**header, "node": self.node, "token": self.token}
-            self._first = False
-        self._out.put(encode(header, tensors))
+        self._out.put(encode({**header, "node": self.node} if self.call is None else header, tensors))
+        if self.call is None:
+            self._start_call()
 
     def recv(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        import grpc
+        if self.call is None:
+            raise StreamError("split stream: recv before the first send")
+        late = threading.Event()
 
+        def too_late() -> None:
+            late.set()
+            self.call.cancel()
+
+        timer = threading.Timer(self.timeout, too_late)
+        timer.daemon = True
+        timer.start()
         try:
             frame = next(self.call)
         except StopIteration:
             raise StreamError(f"split stream {self.address}: the server ended the stream") from None
         except grpc.RpcError as e:
+            if late.is_set():
+                raise StreamError(f"split stream {self.address}: no frame from the server within "
+                                  f"{self.timeout:.0f} s") from None
             raise StreamError(f"split stream {self.address}: {e.code().name}: {e.details()}") from None
+        finally:
+            timer.cancel()
         return decode(frame)
 
     def close(self) -> None:
         self._out.put(None)
         try:
-            self.call.cancel()
+            if self.call is not None:
+                self.call.cancel()
         finally:
             self.channel.close()

@@ -384,7 +384,8 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         with _released(COMPUTE_LOCK):
             client = StreamClient(str(cfg[STREAM_KEYS["address"]]), str(cfg[STREAM_KEYS["token"]]),
                                   int(cfg[STREAM_KEYS["node"]]), str(cfg.get(STREAM_KEYS["cert"], "")),
-                                  float(cfg.get(STREAM_KEYS["timeout"], 600.0)), frames=w.iters)
+                                  float(cfg.get(STREAM_KEYS["timeout"], 600.0)), frames=w.iters,
+                                  max_frame=int(cfg.get(STREAM_KEYS["max-frame"], 0)))
         try:
             outs = run_forward(w, data, 1, grad=True)
             client.send({"step": 1}, {k: _to_numpy(v) for k, v in outs.items()})
