@@ -175,6 +175,7 @@ class SplitStrategy(SSLStrategy):
                 self._drop(n, f"bad label histogram of shape {hist.shape}")
                 continue
             self.meter.add("histogram", "up", hist.nbytes)
+            self.note_partition(n, env.config["partition-id"], env.config.get("num-partitions", 0))
             self.info[n] = {"partition": int(env.config["partition-id"]), "n": int(env.config["num-examples"]),
                             "hist": hist, "sim-actors": int(env.config.get("sim-actors", 0)),
                             "sim-threads": int(env.config.get("sim-threads", 0))}

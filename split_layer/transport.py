@@ -133,7 +133,10 @@ class LocalGrid:
     context)`` returning true turns that message's reply into an error (a node that crashed).
     ``sent`` keeps every pushed message (to inspect what the server sent). ``node_ids``: the
     nodes' ids in partition order (default ``first_node_id + i``; random ids, as in Flower's
-    simulation, test that nothing depends on their order).
+    simulation, test that nothing depends on their order). ``node_config``: extra node-config
+    entries of every node (e.g. ``state-dir``). An exception in a handler becomes an error
+    reply whose reason is worded as in Flower's simulation engine (the exception's type and
+    message at the end of a Ray traceback).
     ``threaded=True`` runs each message's handler in its own thread (the stream transport
     needs every sampled node active at once, as Flower's runtimes provide).
     """
@@ -141,7 +144,7 @@ class LocalGrid:
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
                  run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
                  fail_if: Callable[[Message, Context], bool] | None = None,
-                 node_ids: list[int] | None = None) -> None:
+                 node_ids: list[int] | None = None, node_config: dict | None = None) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -156,7 +159,8 @@ class LocalGrid:
             raise ValueError(f"node_ids must be {num_nodes} distinct ids")
         # partition i goes to the i-th id, as Flower's simulation assigns them in creation order
         self.contexts = {
-            nid: Context(run_id=1, node_id=nid, node_config={"partition-id": i, "num-partitions": num_nodes},
+            nid: Context(run_id=1, node_id=nid,
+                         node_config={**(node_config or {}), "partition-id": i, "num-partitions": num_nodes},
                          state=_RD(), run_config=dict(run_config or {}))
             for i, nid in enumerate(ids)}
         self.fail_nodes: set[int] = set()
@@ -195,7 +199,12 @@ class LocalGrid:
                 raise RuntimeError("injected failure (LocalGrid.fail_if)")
             r = self.handler(m, self.contexts[node])
         except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
-            r = Message(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=m)
+            import traceback
+
+            tb = traceback.format_exc()  # as Ray wraps it: ClientAppException(str(RayTaskError))
+            r = Message(Error(code=0, reason="<class 'flwr.clientapp.client_app.ClientAppException'>:<'\n"
+                                             "Exception ClientAppException occurred. Message: "
+                                             f"ray::ClientAppActor.run() (pid=1)\n{tb}'>"), reply_to=m)
         self._replies[mid] = r
 
     def join(self, timeout: float = 30.0) -> None:

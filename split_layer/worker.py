@@ -249,7 +249,8 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         hist = np.asarray(hooks.label_histogram(w, data), dtype=np.int64)
         actors, threads = simulation_concurrency()
         return reply(msg, Envelope(tensors={"histogram": hist},
-                                   config={"partition-id": w.partition, "num-examples": int(len(data)),
+                                   config={"partition-id": w.partition, "num-partitions": w.env.num_partitions,
+                                           "num-examples": int(len(data)),
                                            "sim-actors": actors, "sim-threads": threads, **hooks.info(w)}))
 
     def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool,

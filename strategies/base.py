@@ -20,7 +20,9 @@ the round itself has another shape (server-only training, split learning).
 from __future__ import annotations
 
 import random
+import re
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -106,8 +108,13 @@ class SSLStrategy(Strategy):
         self.model: torch.nn.Module | None = None
         self.dropped: list[int] = []
         self.num_partitions = 0
-        self.partition_of: dict[int, int] = {}   # node id -> partition id (learned once per node)
+        self.partition_of: dict[int, int] = {}   # node id -> partition id (learn_partitions)
+        self.partition_count = 0                  # the nodes' num-partitions (learn_partitions)
         self._asked: set[int] = set()
+        self.train_config: dict[str, Any] = {}     # Flower's start(train_config=...): in every training message
+        self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
+        self.initial_given = False                 # start(initial_arrays=...) was used
+        self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
 
     # ------------------------------------------------------------------ setup
     def setup(self, grid: Grid | None) -> None:
@@ -156,13 +163,17 @@ class SSLStrategy(Strategy):
         rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
         return sorted(rng.sample(ordered, k))
 
-    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01) -> None:
-        """Ask nodes not asked before for their partition id (one ``node-info`` query each)."""
+    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01) -> list[int]:
+        """The one way the server learns which partition a node holds: nodes not asked before
+        get one ``node-info`` query each (every ClientApp of this library answers it in
+        ``flower_apps.client_app.dispatch``); ``partition_of[node]`` and ``partition_count``
+        (the nodes' ``num-partitions``) are filled. Returns the nodes of ``nodes`` whose
+        partition is known (a node that does not answer is asked once, never again)."""
         from .common import NODE_INFO_OP
 
-        todo = [n for n in nodes if n not in self._asked]
+        todo = [n for n in nodes if n not in self._asked and n not in self.partition_of]
         if not todo:
-            return
+            return [n for n in nodes if n in self.partition_of]
         self._asked.update(todo)
         msgs = [Message(self.base_content(0, op=NODE_INFO_OP), dst_node_id=n, message_type="query")
                 for n in todo]
@@ -173,12 +184,29 @@ class SSLStrategy(Strategy):
                 pending.discard(r.metadata.reply_to_message_id)
                 if r.has_error() or CONFIG_KEY not in r.content.config_records:
                     continue  # sampled after the nodes that answered
-                self.partition_of[r.metadata.src_node_id] = int(r.content.config_records[CONFIG_KEY]["partition-id"])
+                info = r.content.config_records[CONFIG_KEY]
+                self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
             if pending:
                 time.sleep(poll)
+        return [n for n in nodes if n in self.partition_of]
+
+    #: query ops that ask a node about itself: they carry no user config
+    info_ops: tuple[str, ...] = ("node-info", "split-info")
+    #: ops that evaluate: they carry ``evaluate_config`` (all other messages carry ``train_config``)
+    eval_ops: tuple[str, ...] = ("client-eval",)
+
+    def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None:
+        """Record what a node said of its partition (``node-info``, or the split runtime's
+        ``split-info``, which answers the same and adds the node's data statistics)."""
+        self.partition_of[node] = int(partition_id)
+        if int(num_partitions or 0) > 0:
+            self.partition_count = int(num_partitions)
 
     def base_content(self, server_round: int, **config: Any) -> RecordDict:
-        cfg = {"server-round": server_round, "algo": self.algo, **config}
+        op = str(config.get("op", ""))
+        user = ({} if op in self.info_ops else
+                self.evaluate_config if op in self.eval_ops else self.train_config)
+        cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key, **config}
         return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
                            CONFIG_KEY: ConfigRecord(cfg)})
 
@@ -210,7 +238,7 @@ class SSLStrategy(Strategy):
                 if r.has_error():
                     node = by_id[rid]
                     log(WARNING, "node %s dropped from round: error %s: %s", node, r.error.code,
-                        (r.error.reason or "")[:500])
+                        describe_error(r.error.reason or ""))
                     self.dropped.append(node)
                 else:
                     out.append(r)
@@ -297,15 +325,31 @@ class SSLStrategy(Strategy):
         return evaluate(self.eval_model(), env.bundle.test, aug=env.augmenter, device=env.device,
                         num_classes=env.num_classes)
 
+    def result_arrays(self) -> ArrayRecord:
+        """What ``start`` returns as ``Result.arrays`` and passes to ``evaluate_fn``: the
+        evaluated model (override: per-client models of a personalized algorithm)."""
+        from .common import model_to_record
+        return model_to_record(self.eval_model())
+
+    def load_initial_arrays(self, arrays: ArrayRecord) -> None:
+        """``start(initial_arrays=...)``: the global model starts from them, and so does every
+        model derived from it (teacher, server part, optimizer state): the algorithm is set up again."""
+        load_numpy_state(self.model, record_to_numpy(arrays))
+        self.initial_given = True
+        self.setup_algorithm()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume after the last completed round."""
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                "rng": self.rng.getstate(), "extra": self.extra_state()}
+                "rng": self.rng.getstate(), "state-key": self.state_key, "initial-given": self.initial_given,
+                "extra": self.extra_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.rng.setstate(state["rng"])
+        self.state_key = str(state.get("state-key", self.state_key))
+        self.initial_given = bool(state.get("initial-given", False))
         self.load_extra_state(state.get("extra", {}))
 
     def extra_state(self) -> dict[str, Any]:
@@ -323,38 +367,74 @@ class SSLStrategy(Strategy):
               on_round_end: Callable[[int, dict[str, Any]], None] | None = None) -> Result:
         """Run rounds ``start_round..num_rounds`` and return Flower's ``Result``.
 
-        Same signature as Flower's ``Strategy.start`` (``initial_arrays`` optional: the
-        model is built from the task config), plus ``start_round`` and ``on_round_end``
-        for resuming and for writing results.
+        Same signature and meaning as Flower's ``Strategy.start``: ``initial_arrays``
+        (optional: else the model is built from the task config) is the global model of
+        round 1 and of the round-0 evaluation, ``train_config``/``evaluate_config`` are added
+        to the config of every training/evaluation message, ``evaluate_fn(round, arrays)``
+        is called for round 0 and after every round with what ``Result.arrays`` returns,
+        and its metrics join the round's server metrics. Plus ``start_round`` and
+        ``on_round_end`` for resuming and for writing results (``initial_arrays`` only
+        applies to a run that starts at round 1).
         """
         if timeout is not None:
             self.policy.round_timeout = float(timeout)
+        self.train_config = dict(train_config or {})
+        self.evaluate_config = dict(evaluate_config or {})
         self.setup(grid)
-        if initial_arrays is not None:
-            load_numpy_state(self.model, record_to_numpy(initial_arrays))
+        if initial_arrays is not None and start_round == 1:
+            self.load_initial_arrays(initial_arrays)
         result = Result()
+
+        def server_eval(rnd: int) -> dict[str, Any]:
+            ev = self.evaluate_global()
+            if evaluate_fn is not None:
+                extra = evaluate_fn(rnd, self.result_arrays())
+                if extra is not None:
+                    ev.update(dict(extra))
+            return ev
+
         if start_round == 1:
-            m0 = self.evaluate_global()
-            result.evaluate_metrics_serverapp[0] = MetricRecord(_metric_safe(m0))
+            result.evaluate_metrics_serverapp[0] = MetricRecord(_metric_safe(server_eval(0)))
         for rnd in range(start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
             metrics = self.run_round(rnd, grid)
             metrics.update(self.meter.flush())
             metrics["dropped"] = sorted(set(self.dropped))
-            ev = self.evaluate_global()
-            if evaluate_fn is not None:
-                extra = evaluate_fn(rnd, self.global_arrays())
-                if extra is not None:
-                    ev.update(dict(extra))
+            ev = server_eval(rnd)
             metrics.update(ev)
             metrics["round-seconds"] = time.time() - t0
             result.train_metrics_clientapp[rnd] = MetricRecord(_metric_safe(metrics))
             result.evaluate_metrics_serverapp[rnd] = MetricRecord(_metric_safe(ev))
             if on_round_end is not None:
                 on_round_end(rnd, metrics)
-        result.arrays = self.global_arrays()
+        result.arrays = self.result_arrays()
         return result
+
+
+_EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)): ?(.*)$")
+
+
+def describe_error(reason: str, limit: int = 800) -> str:
+    """The real exception of a ClientApp error reply, as ``Type: message``.
+
+    Flower words a reply as ``<class 'T'>:<'message'>``; in the simulation engine ``T`` is
+    ``ClientAppException`` and the message is Ray's traceback, whose last ``Type: message``
+    line is the exception the ClientApp raised. That line (and what follows it, the rest
+    of a multi-line message) is returned, cut to ``limit`` characters; otherwise the end
+    of the reason.
+    """
+    text = reason.strip()
+    m = re.match(r"^<class '([\w.]+)'>:<'(.*)'>$", text, re.S)
+    if m:
+        text = m.group(2).strip() if m.group(1).endswith("ClientAppException") else f"{m.group(1)}: {m.group(2)}"
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        hit = _EXC_LINE.match(lines[i])
+        if hit and not hit.group(1).endswith("ClientAppException"):
+            out = "\n".join([hit.group(1).rsplit(".", 1)[-1] + ": " + hit.group(2), *lines[i + 1:]]).strip()
+            return out if len(out) <= limit else out[:limit] + " ..."
+    return text if len(text) <= limit else "... " + text[-limit:]
 
 
 def _metric_safe(d: dict[str, Any]) -> dict[str, Any]:

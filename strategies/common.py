@@ -221,15 +221,33 @@ def num_local_steps(task: TaskConfig, n: int) -> int:
     return task.local_epochs * max(1, math.ceil(n / task.batch_size))
 
 
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the batches of one epoch over ``n`` samples, never a batch of one:
+    a last batch of 1 joins the batch before it (``B + 1``), and a data set of one sample is
+    one batch of that sample twice (BatchNorm cannot train on a batch of 1; repeating the
+    only sample leaves cross-entropy unchanged). With ``batch_size == 1`` batches of 1 are
+    what was asked for."""
+    if n <= 0:
+        return []
+    if n == 1:
+        return [(0, 1)]
+    bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    if batch_size > 1 and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
 def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
-    """``steps`` mini-batches of indices: reshuffled epochs, cycled, last batch kept short."""
+    """``steps`` mini-batches of indices: reshuffled epochs, cycled, last batch kept short
+    (never of size 1 when ``batch_size > 1``: see :func:`batch_bounds`)."""
     if n == 0:
         return
     done = 0
+    bounds = batch_bounds(n, batch_size)
     while done < steps:
         perm = torch.randperm(n, generator=gen)
-        for s in range(0, n, batch_size):
-            yield perm[s:s + batch_size]
+        for s, e in bounds:
+            yield perm[s:e] if (n > 1 or batch_size == 1) else perm.repeat(2)
             done += 1
             if done == steps:
                 return

@@ -85,18 +85,21 @@ class ScalaConfig:
     fault_step: int = knob(0, lo=0, help="TESTING ONLY: split step at which fault-partition raises")
 
 
-def batch_shares(sizes, total: int, key: str = "scala.total-batch") -> list[int]:
-    """Eq. 3 with largest remainders: ``B_k ~ |D_k| B / sum|D|``, ``sum B_k = B``, ``B_k >= 1``."""
+def batch_shares(sizes, total: int, key: str = "scala.total-batch", min_share: int = 1) -> list[int]:
+    """Eq. 3 with largest remainders: ``B_k ~ |D_k| B / sum|D|``, ``sum B_k = B``,
+    ``B_k >= min_share`` (2 for a model with BatchNorm, which cannot train on a batch of 1)."""
     sizes = np.asarray(sizes, dtype=np.float64)
     k = len(sizes)
     if k == 0:
         return []
-    if total < k:
-        raise ConfigError(f"{key}={total} is smaller than the {k} participating clients (each needs B_k >= 1)")
+    if total < k * min_share:
+        why = " with BatchNorm (a batch of 1 cannot train)" if min_share > 1 else ""
+        raise ConfigError(f"{key}={total} is smaller than {min_share} x the {k} participating clients "
+                          f"(each needs B_k >= {min_share}{why})")
     if (sizes < 0).any() or sizes.sum() <= 0:
         raise ValueError(f"client sizes must be >= 0 with a positive sum, got {sizes.tolist()}")
     q = sizes * total / sizes.sum()
-    b = np.maximum(np.floor(q).astype(np.int64), 1)
+    b = np.maximum(np.floor(q).astype(np.int64), min_share)
     frac = q - np.floor(q)
     diff = int(total - b.sum())
     order = sorted(range(k), key=lambda i: (-frac[i], i))
@@ -106,7 +109,7 @@ def batch_shares(sizes, total: int, key: str = "scala.total-batch") -> list[int]
         diff -= 1
         j += 1
     while diff < 0:  # only after raising zeros to 1: take from the most over-allocated
-        cand = [i for i in range(k) if b[i] > 1]
+        cand = [i for i in range(k) if b[i] > min_share]
         i = max(cand, key=lambda i: (b[i] - q[i], -i))
         b[i] -= 1
         diff += 1
@@ -126,6 +129,7 @@ class ScalaStrategy(SplitStrategy):
     def setup_split(self) -> None:
         c = self.cfg
         self.mode, self.adjust = c.server_mode, c.logit_adjust
+        self.has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.opt = make_sgd(self.top.parameters(), self.task)
         self.top_keys = top_state_keys(self.model, self.cut)
         self.copies: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
@@ -138,7 +142,8 @@ class ScalaStrategy(SplitStrategy):
     # ------------------------------------------------------------------ round hooks
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
         self._round = server_round
-        shares = batch_shares([self.num_examples(n) for n in nodes], self.cfg.total_batch)
+        shares = batch_shares([self.num_examples(n) for n in nodes], self.cfg.total_batch,
+                              min_share=2 if self.has_batchnorm else 1)
         self.round_batch = dict(zip(nodes, shares))
         self._losses = []
         self.copies = {}

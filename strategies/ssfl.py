@@ -34,7 +34,8 @@ One communication period of T local iterations (§2) = one Flower round:
    * S > 1 (Eq. 6, ``ssfl.groups``): ``w_avg,i = (w_s + sum_{k in G_i} w_k)/(|G_i|+1)``,
      ``w_avg = (1/S) sum_i w_avg,i``; group G_i is sent w_avg,i next round and the
      server continues from w_avg. Groups are fixed and contiguous in the users'
-     ``partition-id`` (§10.4), learned once per node with a small ``info`` query.
+     ``partition-id`` (§10.4), learned once per node with the library's ``node-info`` query
+     (:meth:`strategies.base.SSLStrategy.learn_partitions`).
      A group without participants this round has w_avg,i = w_s (authors' code).
 
    BatchNorm buffers never travel: each user keeps its own running statistics in
@@ -72,8 +73,8 @@ Client contract
   with ``num-examples``, ``train-loss``, ``mask-rate``, ``pseudo-kept``,
   ``pseudo-correct`` (diagnostics only: true labels are never used to train) and
   ``partition-id``.
-``query`` message with ``config['op'] = 'info'`` (only when ``ssfl.groups > 1``):
-  reply ``metrics`` with ``partition-id`` and ``num-partitions`` of the node.
+``query`` message with ``config['op'] = 'node-info'`` (only when ``ssfl.groups > 1`` or
+  ``fraction-train < 1``): answered for every algorithm by ``flower_apps.client_app.dispatch``.
 """
 from __future__ import annotations
 
@@ -231,18 +232,6 @@ def client_train(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-def client_info(msg: Message, context: Context) -> Message:
-    """Reply this node's ``partition-id`` and ``num-partitions`` (for fixed groups)."""
-    nc = context.node_config
-    try:
-        pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
-    except (KeyError, ValueError) as e:
-        raise ConfigError("this SuperNode has no usable node config: start it with "
-                          "--node-config \"partition-id=<i> num-partitions=<n>\"") from e
-    return Message(RecordDict({METRICS_KEY: MetricRecord({"partition-id": pid, "num-partitions": n})}),
-                   reply_to=msg)
-
-
 # --------------------------------------------------------------------------- server side
 class SSFLStrategy(SSLStrategy):
     """SSFL (Zhang et al. 2020): CRL users, labeled server, averaging incl. the server."""
@@ -259,7 +248,6 @@ class SSFLStrategy(SSLStrategy):
         self.keys: list[str] = []
         self.classifier_keys: list[str] = []
         self.group_params: list[dict[str, np.ndarray]] | None = None
-        self.node_pid: dict[int, tuple[int, int]] = {}   # node id -> (partition-id, num-partitions)
 
     # ---------------------------------------------------------------- setup
     def setup_algorithm(self) -> None:
@@ -289,22 +277,11 @@ class SSFLStrategy(SSLStrategy):
         s = self.cfg.groups
         if s == 1:
             return 0
-        pid, k = self.node_pid[node]
+        pid, k = self.partition_of[node], self.partition_count
         for i, g in enumerate(contiguous_groups(range(k), s)):
             if pid in g:
                 return i
         raise ValueError(f"partition-id {pid} outside [0, {k})")
-
-    def learn_partitions(self, grid: Grid, nodes: list[int], server_round: int) -> list[int]:
-        """Ask nodes of unknown partition-id for it; return the nodes whose group is known."""
-        unknown = [n for n in nodes if n not in self.node_pid]
-        if unknown:
-            msgs = [Message(self.base_content(server_round, op="info"), dst_node_id=n, message_type="query",
-                            group_id=f"{server_round}-info") for n in unknown]
-            for r in self.exchange(grid, msgs):
-                m = r.content.metric_records[METRICS_KEY]
-                self.node_pid[r.metadata.src_node_id] = (int(m["partition-id"]), int(m["num-partitions"]))
-        return [n for n in nodes if n in self.node_pid]
 
     # ---------------------------------------------------------------- round
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
@@ -312,7 +289,7 @@ class SSFLStrategy(SSLStrategy):
             self.group_params = [self.server_params() for _ in range(self.cfg.groups)]
         nodes = self.sample_nodes(grid, server_round)
         if self.cfg.groups > 1:
-            nodes = self.learn_partitions(grid, nodes, server_round)
+            nodes = self.learn_partitions(grid, nodes)  # the fixed groups follow partition ids
         sched = schedule_config(self.cfg, server_round, self.period, self.num_rounds or server_round)
         sent: dict[int, int] = {}
         msgs = []
@@ -382,18 +359,16 @@ class SSFLStrategy(SSLStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     def extra_state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "group_params": self.group_params,
-                "node_pid": dict(self.node_pid)}
+        return {"optimizer": self.optimizer.state_dict(), "group_params": self.group_params}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.group_params = state.get("group_params")
-        self.node_pid = dict(state.get("node_pid", {}))
 
 
 _PAPER = "Zhang et al. 2020, Benchmarking Semi-supervised Federated Learning"
-_CLIENT = {"train": client_train, "info": client_info}
+_CLIENT = {"train": client_train}
 
 ALGORITHMS = {
     "ssfl": AlgorithmSpec(

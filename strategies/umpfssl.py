@@ -287,9 +287,13 @@ def _reply(msg: Message, arrays: ArrayRecord | None = None, metrics: dict | None
     return Message(content, reply_to=msg)
 
 
-def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int) -> tuple[torch.nn.Module, dict]:
-    """w_0 (the common seeded init) plus ``warmup-epochs`` of CE on D_k^s (mu_k = 0: w_0)."""
+def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int, init: ArrayRecord | None = None
+                  ) -> tuple[torch.nn.Module, dict]:
+    """w_0 (the common seeded init, or ``init``: the server's ``initial_arrays``) plus
+    ``warmup-epochs`` of CE on D_k^s (mu_k = 0: w_0)."""
     model = env.build_model()
+    if init is not None:
+        load_numpy_state(model, record_to_numpy(init))
     lab = env.labeled()
     stats = {"warmup-loss": float("nan")}
     if cfg.warmup_epochs > 0 and len(lab) > 0:
@@ -304,14 +308,9 @@ def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int) -> tuple[torch.nn.Mod
 def client_warmup(msg: Message, context: Context) -> Message:
     """``query`` op ``warmup``: build w_0, train on D_k^s, upload (version 0)."""
     env, cfg = _env(msg, context), _algo_cfg(msg)
-    model, stats = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", env.partition_id))
+    model, stats = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", env.partition_id),
+                                 msg.content.array_records.get(ARRAYS_KEY))
     return _reply(msg, model_to_record(model), {"partition-id": env.partition_id, **stats})
-
-
-def client_hello(msg: Message, context: Context) -> Message:
-    """``query`` op ``hello``: tell the server this node's partition id (after a resume)."""
-    env = _env(msg, context)
-    return _reply(msg, None, {"partition-id": env.partition_id})
 
 
 def client_select(msg: Message, context: Context) -> Message:
@@ -425,6 +424,8 @@ def _train_fixmatch(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig
     if cfg.mode == "local":
         if STATE_MODEL in context.state:
             load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
+        elif ARRAYS_KEY in msg.content.array_records:  # the run's initial_arrays, before the first round
+            load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
     else:
         rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
         if cfg.mode == "fedper" and STATE_HEAD in context.state:
@@ -498,6 +499,7 @@ class PersonalizedEvalStrategy(SSLStrategy):
         super().__init__(*a, **kw)
         self.num_rounds = 0
         self.last_eval: dict[str, Any] = {}
+        self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
         self.counts: dict[str, int] = {}
 
     def start(self, grid: Grid, *args, num_rounds: int = 3, **kw):
@@ -533,11 +535,15 @@ class PersonalizedEvalStrategy(SSLStrategy):
         cfg = self.cfg
         if server_round % cfg.eval_every == 0 or server_round == self.num_rounds:
             self.last_eval = self.client_eval(grid, server_round)
+            self.round_eval = dict(self.last_eval)
             return dict(self.last_eval)
         return {}
 
     def evaluate_global(self) -> dict[str, Any]:
-        return {}  # per-client evaluation happens in run_round (it needs the grid)
+        """The per-client evaluation of this round (run in ``run_round``: it needs the grid);
+        nothing for round 0 and for rounds between ``eval-every`` evaluations."""
+        out, self.round_eval = self.round_eval, {}
+        return out
 
     def count(self, reason: str, n: int = 1) -> None:
         self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
@@ -565,6 +571,10 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def global_arrays(self) -> ArrayRecord:
         return model_to_record(self.model, self.body_keys)
 
+    def result_arrays(self) -> ArrayRecord:
+        """The global model (fedper-fix: the global body; the heads stay on the nodes)."""
+        return self.global_arrays()
+
     reply_metrics = ("train-loss", "mask-rate")
 
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
@@ -577,15 +587,31 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
 
 
 class LocalOnlyStrategy(PersonalizedEvalStrategy):
-    """Every client trains alone (FixMatch on its own data); no weights are exchanged."""
+    """Every client trains alone (FixMatch on its own data); no weights are exchanged, except
+    the run's ``initial_arrays`` (if given) with a node's first training message."""
+
+    returns_model = False  # every model stays on its node: Result.arrays is empty
+
+    def setup_algorithm(self) -> None:
+        self.started, self.seeded = False, set()
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
         return None
 
+    def result_arrays(self) -> ArrayRecord:
+        return ArrayRecord() if self.started else model_to_record(self.model)
+
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         nodes = self.sample_nodes(grid, server_round)
-        msgs = [Message(self.base_content(server_round), dst_node_id=n, message_type="train",
-                        group_id=str(server_round)) for n in nodes]
+        self.started = True
+        msgs = []
+        for n in nodes:
+            content = self.base_content(server_round)
+            if self.initial_given and n not in self.seeded:
+                content[ARRAYS_KEY] = model_to_record(self.model)
+                self.meter.add_record("weights", "down", content[ARRAYS_KEY])
+            msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
+        self.seeded.update(nodes)
         replies = self.exchange(grid, msgs)
         mets = [r.content.metric_records[METRICS_KEY] for r in replies]
         out: dict[str, Any] = {"participants": len(replies)}
@@ -599,13 +625,19 @@ class LocalOnlyStrategy(PersonalizedEvalStrategy):
 class UMPFSSLStrategy(PersonalizedEvalStrategy):
     """The versioned model pool and the per-round select/train exchanges (module docstring)."""
 
+    personalized = True  # Result.arrays: one model per client, keys '<partition-id>/<name>'
+
+    def result_arrays(self) -> ArrayRecord:
+        if not self.pool:
+            return model_to_record(self.model)
+        return numpy_to_record({f"{pid}/{k}": v for pid in sorted(self.pool) for k, v in self.pool[pid][1].items()})
+
     def setup_algorithm(self) -> None:
         if self.task.dropout <= 0.0:
             raise ConfigError("algo=umpfssl needs dropout > 0 for MC-dropout (the paper uses dropout=0.5)")
         self.pool: dict[int, tuple[int, dict[str, np.ndarray]]] = {}       # pid -> (version, state)
         self.archive: dict[tuple[int, int], dict[str, np.ndarray]] = {}   # older referenced versions
         self.refs: dict[int, list[tuple[int, int]]] = {}                   # pid -> non-self (id, version)
-        self.node_pid: dict[int, int] = {}
 
     # ---------------------------------------------------------------- pool
     def referenced(self) -> set[tuple[int, int]]:
@@ -632,27 +664,30 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             del self.archive[key]
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
-        pid = self.node_pid.get(node)
+        pid = self.partition_of.get(node)
         return numpy_to_record(self.pool[pid][1]) if pid in self.pool else None
 
     # ---------------------------------------------------------------- phases
-    def query(self, grid: Grid, nodes: list[int], op: str, server_round: int) -> list[Message]:
+    def query(self, grid: Grid, nodes: list[int], op: str, server_round: int, init: bool = False) -> list[Message]:
         msgs = []
         for n in nodes:
             c = self.base_content(server_round, op=op)
+            if init:  # the run's initial_arrays: every warm-up starts from them
+                c[ARRAYS_KEY] = model_to_record(self.model)
+                self.meter.add_record("weights", "down", c[ARRAYS_KEY])
             msgs.append(Message(c, dst_node_id=n, message_type="query", group_id=str(server_round)))
         return self.exchange(grid, msgs)
 
     def warmup(self, grid: Grid) -> dict[str, Any]:
         nodes = sorted(grid.get_node_ids())
         losses = []
-        for r in self.query(grid, nodes, "warmup", 0):
+        for r in self.query(grid, nodes, "warmup", 0, init=self.initial_given):
             m = r.content.metric_records[METRICS_KEY]
             pid = int(m["partition-id"])
             rec = r.content.array_records[ARRAYS_KEY]
             self.meter.add_record("weights", "up", rec)
             self.count("warmup-upload")
-            self.node_pid[r.metadata.src_node_id] = pid
+            self.partition_of[r.metadata.src_node_id] = pid
             self.upload(pid, 0, record_to_numpy(rec))
             self.refs.setdefault(pid, [])
             losses.append(float(m["warmup-loss"]))
@@ -660,27 +695,20 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         return {"warmup-loss": float(np.nanmean(losses)) if losses and not all(map(math.isnan, losses))
                 else float("nan")}
 
-    def ensure_node_map(self, grid: Grid, nodes: list[int], server_round: int) -> None:
-        unknown = [n for n in nodes if n not in self.node_pid]
-        if unknown:
-            for r in self.query(grid, unknown, "hello", server_round):
-                self.node_pid[r.metadata.src_node_id] = int(r.content.metric_records[METRICS_KEY]["partition-id"])
-
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         cfg, t = self.cfg, server_round
         out: dict[str, Any] = {}
         if not self.pool:
             out.update(self.warmup(grid))
         nodes = self.sample_nodes(grid, t)
-        self.ensure_node_map(grid, nodes, t)
-        nodes = [n for n in nodes if n in self.node_pid]
+        nodes = self.learn_partitions(grid, nodes)
         directory = {pid: v for pid, (v, _) in self.pool.items()}
         do_refresh = t % cfg.update_period == 0
         lists: dict[int, list[tuple[int, int]]] = {}
         refreshed: dict[int, set[int]] = {}
         select_msgs, swaps = [], 0
         for n in nodes:
-            pid = self.node_pid[n]
+            pid = self.partition_of[n]
             cur = list(self.refs.get(pid, []))
             lists[n], refreshed[n] = cur, set()
             held = {pid} | {i for i, _ in cur}
@@ -714,7 +742,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         for n in nodes:
             if n in failed:
                 continue
-            pid = self.node_pid[n]
+            pid = self.partition_of[n]
             content = self.base_content(t, **{"helper-ids": [i for i, _ in lists[n]],
                                               "helper-versions": [v for _, v in lists[n]]})
             if pid in self.pool:  # else the client warms up first (it missed the warm-up)
@@ -766,11 +794,10 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         self.pool = state.get("pool", {})
         self.archive = state.get("archive", {})
         self.refs = state.get("refs", {})
-        self.node_pid = {}  # node ids change between runs: re-learned with a "hello" query
 
 
 _HANDLERS = {"train": client_train, "evaluate": client_evaluate, "select": client_select,
-             "warmup": client_warmup, "hello": client_hello, "client-eval": client_evaluate}
+             "warmup": client_warmup, "client-eval": client_evaluate}
 _PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
 
 

@@ -36,6 +36,15 @@ def test_batch_shares_largest_remainder_and_errors():
         batch_shares([5, 5, 5], 2)
 
 
+def test_batch_shares_never_one_with_batchnorm():
+    """A tiny client would get B_k = 1, which a BatchNorm bottom cannot train on."""
+    assert batch_shares([1, 1000], 4) == [1, 3]
+    assert batch_shares([1, 1000], 4, min_share=2) == [2, 2]
+    assert min(batch_shares([1, 1, 5000], 32, min_share=2)) == 2
+    with pytest.raises(ConfigError, match="BatchNorm"):
+        batch_shares([5, 5, 5], 5, min_share=2)
+
+
 # --------------------------------------------------------------------------- Section 3
 def test_g_bal_uniform_prior_is_ce_and_gradient_formula():
     torch.manual_seed(0)
