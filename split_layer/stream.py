@@ -108,13 +108,14 @@ FIRST_FRAME_S = 60.0              # the first frame's deadline after the call st
 MAX_REFUSAL_LOGS = 20             # per round; the rest are counted and summarised at the round's end
 # keepalive: the client pings every 30 s (also while it computes and sends nothing); the server
 # accepts pings that often, pings every 60 s itself, and closes a connection whose pings go
-# unanswered for 20 s, one that has not finished its handshake in 20 s or that holds no call for 60 s
-_KEEPALIVE_CLIENT = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
+# unanswered for 20 s, one that has not finished its handshake in 20 s or that holds no call for 60 s.
+# Each client has a connection of its own (no subchannel shared with other clients of the process).
+_KEEPALIVE_CLIENT = [("grpc.use_local_subchannel_pool", 1), ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
                      ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0)]
 _KEEPALIVE_SERVER = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
                      ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
                      ("grpc.http2.max_ping_strikes", 3), ("grpc.server_handshake_timeout_ms", 20_000),
-                     ("grpc.max_connection_idle_ms", 60_000), ("grpc.max_concurrent_streams", 4)]
+                     ("grpc.max_connection_idle_ms", 60_000)]
 
 
 def _grpc_options(max_receive: int) -> list[tuple[str, int]]:
@@ -402,14 +403,15 @@ class _Server:
             return
         sess = self.sessions[node]
         with self._lock:
-            if sess.connected or sess.closed:
-                why = f"node {node} is already connected this round" if sess.connected else \
-                    f"node {node} was already dropped from this round"
-                self.refuse(why, context.peer())
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"split stream: {why}")
-                return
-            sess.connected = True
-            sess.context = context
+            why = (f"node {node} is already connected this round" if sess.connected else
+                   f"node {node} was already dropped from this round" if sess.closed else "")
+            if not why:
+                sess.connected = True
+                sess.context = context
+        if why:
+            self.refuse(why, context.peer())
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"split stream: {why}")
+            return
         timer = threading.Timer(self.first_frame_s, self._first_frame_late, args=(node, context))
         timer.daemon = True
         timer.start()

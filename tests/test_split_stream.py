@@ -171,7 +171,7 @@ def test_tls_round_works_and_a_client_without_the_certificate_cannot_connect():
 def test_a_failing_node_is_dropped_and_the_others_finish(how, reason):
     owner, seen = run_round(echo_handler({1002: how}), timeout=10.0)
     assert [n for n, _ in owner.dropped] == [1002], owner.dropped
-    assert re.search(reason, owner.dropped[0][1]), owner.dropped
+    assert re.search(reason, owner.dropped[0][1], re.S), owner.dropped
     assert sorted(seen[-1]) == [1001, 1003]  # the others ended the round normally
     for n in (1001, 1003):
         np.testing.assert_array_equal(seen[-1][n].arrays["bottom"]["w"], np.full(2, n))
@@ -279,3 +279,67 @@ def test_strategy_with_stream_policy_uses_the_stream_transport():
     s.setup(LocalGrid(K, dispatch))
     tr = s.make_transport(LocalGrid(K, dispatch))
     assert isinstance(tr, StreamTransport) and tr.opts.timeout == 7.0
+
+
+# --------------------------------------------------------------------------- hardening (issue 14)
+def test_tls_follows_the_address_clients_dial_not_the_bind_host():
+    assert StreamOptions(host="0.0.0.0", advertise="10.0.0.5").use_tls()
+    assert not StreamOptions(host="0.0.0.0", advertise="127.0.0.1").use_tls()   # clients dial loopback
+    assert StreamOptions(host="127.0.0.1", advertise="node.example.org").use_tls()  # a tunnel's far end
+    assert not StreamOptions(host="10.0.0.5", advertise="10.0.0.5", tls="off").use_tls()
+
+
+def test_every_round_has_its_own_certificate_valid_for_the_round():
+    from cryptography import x509
+    from split_layer.stream import _Server
+    certs = []
+    for _ in range(2):
+        srv = _Server(StreamOptions(tls="on", timeout=100.0), [1], lifetime=100.0 * 12)
+        try:
+            certs.append(x509.load_pem_x509_certificate(srv.cert.encode()))
+        finally:
+            srv.stop()
+    assert certs[0].serial_number != certs[1].serial_number and certs[0].public_key() != certs[1].public_key()
+    life = (certs[0].not_valid_after_utc - certs[0].not_valid_before_utc).total_seconds()
+    assert abs(life - (1200 + 3600 + 300)) < 5   # the round's longest legitimate duration + 1 h (+5 min skew)
+
+
+def test_the_frame_bound_comes_from_the_stream_specs():
+    from split_layer.stream import DEFAULT_MAX_FRAME, FRAME_MARGIN, max_frame_bytes
+    from split_layer.validation import TensorSpec
+    specs = {"act": TensorSpec((64, 32, 8, 8), "float32"), "labels": TensorSpec((64,), "int64")}
+    assert max_frame_bytes(specs) == 64 * 32 * 8 * 8 * 4 + 64 * 8 + FRAME_MARGIN + 2 * 128
+    assert max_frame_bytes(None) == DEFAULT_MAX_FRAME
+    # a real frame of exactly those streams fits, with its header
+    t = {"act": np.zeros((64, 32, 8, 8), np.float32), "labels": np.zeros(64, np.int64)}
+    assert len(encode({"step": 10 ** 6, "final": False, "node": 2 ** 62}, t)) < max_frame_bytes(specs)
+
+
+def test_an_authenticated_call_without_a_first_frame_is_cut_at_the_deadline():
+    from split_layer.stream import _Server
+    srv = _Server(StreamOptions(timeout=1.0), [5])   # first-frame deadline = min(timeout, 60 s)
+    try:
+        c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=5.0)
+        c._start_call()   # the call (and its metadata) without a frame
+        with pytest.raises(StreamError, match="CANCELLED"):
+            c.recv()
+        c.close()
+        node, kind, why = srv.events.get(timeout=2)
+        assert (node, kind) == (5, "closed") and "no first frame within 1 s" in why
+    finally:
+        srv.stop()
+
+
+def test_the_client_waits_at_most_its_timeout_for_each_frame():
+    from split_layer.stream import _Server
+    srv = _Server(StreamOptions(timeout=30.0), [5])   # authenticates, then never answers
+    try:
+        c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=1.0, frames=1000)
+        c.send({"step": 1}, {})
+        t0 = __import__("time").monotonic()
+        with pytest.raises(StreamError, match="no frame from the server within 1 s"):
+            c.recv()
+        assert __import__("time").monotonic() - t0 < 5
+        c.close()
+    finally:
+        srv.stop()
