@@ -145,6 +145,7 @@ class Worker:
     config: dict[str, Any] = field(default_factory=dict)  # this message's config
     optimizer: torch.optim.Optimizer | None = None
     recomputing: bool = False   # inside the message path's second forward pass (streams not sent)
+    node_config: dict[str, Any] = field(default_factory=dict)  # this node's own settings (consent etc.)
 
     @property
     def partition(self) -> int:
@@ -180,6 +181,13 @@ class SplitClientHooks:
         in the same order in every pass.
         """
         return {"act": w.bottom(w.env.augmenter.weak(xb)), "labels": yb}
+
+    def feedback(self, w: Worker, step: int, tensors: dict[str, np.ndarray], labels: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+        """Tensors that came down with the gradients of ``step`` but are not gradients (e.g. the
+        server's pseudo-labels, for a metric the node computes itself): take them out and return
+        the gradients. ``labels``: the node's own labels of that step's batch (never sent)."""
+        return tensors
 
     def after_step(self, w: Worker, step: int) -> None:
         """After the optimizer step of ``step`` (e.g. EMA of a teacher bottom)."""
@@ -236,7 +244,8 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         bottom, _ = split_model(model, cut)
         algo = dict(msg.content.config_records[ALGO_KEY]) if ALGO_KEY in msg.content.config_records else {}
         return Worker(env, model, bottom, cut, int(cfg.get("server-round", 0)), int(cfg.get("split-iters", 0)),
-                      int(cfg.get("split-batch", 0)), context.state, algo, cfg)
+                      int(cfg.get("split-batch", 0)), context.state, algo, cfg,
+                      node_config=dict(context.node_config))
 
     def info(msg: Message, context: Context) -> Message:
         with COMPUTE_LOCK:
@@ -252,6 +261,11 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                                    config={"partition-id": w.partition, "num-partitions": w.env.num_partitions,
                                            "num-examples": int(len(data)),
                                            "sim-actors": actors, "sim-threads": threads, **hooks.info(w)}))
+
+    def batch_labels(w: Worker, data: ArrayDataset, step: int) -> np.ndarray:
+        """The node's labels of the batch of ``step`` (for :meth:`SplitClientHooks.feedback`; stay here)."""
+        idx = step_batch(len(data), w.batch_size, step, batch_seed(w.env.task.seed, w.rnd, w.partition))
+        return np.asarray(data.y)[idx.numpy()]
 
     def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool,
                     recompute: bool = False) -> dict[str, torch.Tensor]:
@@ -361,7 +375,8 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                 raise SplitValidationError(f"split-step {step}: no gradients received for step {step - 1}")
             saved = {n: b.detach().clone() for n, b in w.bottom.named_buffers()}
             outs = run_forward(w, data, step - 1, grad=True, recompute=True)
-            apply(w, outs, incoming.tensors, step - 1, restore=saved)  # BN statistics: updated once
+            grads = hooks.feedback(w, step - 1, dict(incoming.tensors), batch_labels(w, data, step - 1))
+            apply(w, outs, grads, step - 1, restore=saved)  # BN statistics: updated once
 
         if step <= w.iters:
             outs = run_forward(w, data, step, grad=False)
@@ -396,6 +411,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                 if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
                     raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
                 check_fault(w, step)
+                grads = hooks.feedback(w, step - 1, dict(grads), batch_labels(w, data, step - 1))
                 apply(w, outs, grads, step - 1)
                 if step <= w.iters:
                     outs = run_forward(w, data, step, grad=True)

@@ -58,24 +58,33 @@ Client contract (:mod:`split_layer.worker`, ``query`` messages with ``config.op`
 ``split-arrays.bottom`` (w_c), ``split-arrays.teacher`` (w~_c) and config ``split-batch``
 (d_i = ``batch-size``), ``split-iters`` (K_u), ``semisfl-lr`` (this round's lr). Replies of
 steps 1..K_u carry ``split-tensors`` ``student`` and ``teacher`` (float32 [d_i, *F]) and,
-in simulation, ``hidden-labels`` (int64 [d_i]); steps 2..K_u+1 carry
-``split-tensors["student"]`` = d l_u / d e_i of the previous step; the reply of step K_u+1
-carries ``split-arrays.bottom`` and ``metrics["num-examples"]``. The client's teacher bottom
+steps 2..K_u+1 carry ``split-tensors["student"]`` = d l_u / d e_i of the previous step
+(and, with ``hidden-label-metrics``, ``pseudo-labels`` int16 [d_i] and ``pseudo-mask`` uint8
+[d_i] of that step); the reply of step K_u+1 carries ``split-arrays.bottom`` and
+``metrics["num-examples"]`` (plus the counts below, if the node consents). The client's teacher bottom
 lives in ``context.state["split.x.teacher"]`` during the round and is discarded after it.
 
-Metrics (hidden labels)
------------------------
-Pseudo-label mask rate and impurity (error rate of the confident pseudo-labels) need
-the true labels of the unlabeled samples. The simulation knows them: with
-``semisfl.hidden-label-metrics = true`` the client adds a ``hidden-labels`` stream to its
-payload, which the PS reads ONLY in :meth:`SemiSFLServer.pseudo_label_stats` (metrics;
-never in a loss) and counts under the byte kind ``metrics``, not ``labels``. Set it to
-false in a deployment; the mask rate is still reported, the impurity is not.
+Metrics (hidden labels, the node's consent)
+-------------------------------------------
+Pseudo-label impurity (error rate of the confident pseudo-labels) needs the true labels of
+the "unlabeled" samples, which only a node has (in a simulation, or where a node's data is
+in fact labeled). No label ever leaves a node: with ``semisfl.hidden-label-metrics = true``
+(default) the PS returns each batch's pseudo-labels and confidence mask with its gradient
+(``bytes.metrics.down``, 3 bytes per sample), and a node **that consents** -- node config
+``share-label-metrics = true``, or ``FLOWER_SSL_SHARE_LABEL_METRICS=1`` in the environment
+of its ClientApp (a simulation gives nodes no node config); off by default -- compares them
+with its own labels and reports four counts per round in its final reply (``pl-samples``, ``pl-wrong``,
+``pl-confident``, ``pl-wrong-confident``); the PS sums them into ``impurity`` and
+``pseudo-label-accuracy`` (and ``label-metrics-nodes``: how many nodes reported). A node
+that does not consent reports nothing and is treated like any other. The mask rate needs
+no labels and is always reported. (The core, :meth:`SemiSFLServer.cross_iteration`, still
+accepts a ``hidden-labels`` payload for in-process use; the strategy never asks for one.)
 """
 from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -102,6 +111,10 @@ from .registry import AlgorithmSpec
 
 NAMESPACE = "semisfl"
 STUDENT, TEACHER, HIDDEN_LABELS = "student", "teacher", "hidden-labels"  # payload stream names
+PSEUDO_LABELS, PSEUDO_MASK = "pseudo-labels", "pseudo-mask"   # sent down with the gradients (metrics)
+CONSENT_KEY = "share-label-metrics"   # node config: may this node report pseudo-label error counts?
+CONSENT_ENV = "FLOWER_SSL_SHARE_LABEL_METRICS"   # the same decision where a node has no node config
+PL_COUNTS = ("pl-samples", "pl-wrong", "pl-confident", "pl-wrong-confident")
 
 
 # --------------------------------------------------------------------------- config
@@ -139,8 +152,9 @@ class SemiSFLConfig:
     ks_max_factor: float = knob(4.0, lo=1.0, help="K_s is clamped to [1, factor*K_s^1]")
     lr_schedule: str = knob("cosine", choices=("cosine", "constant"),
                             help="per-round lr: cosine decay over num-rounds, or constant")
-    hidden_label_metrics: bool = knob(True, help="simulation only: clients send true labels "
-                                                 "for the impurity metric (never trained on)")
+    hidden_label_metrics: bool = knob(True, help="return pseudo-labels with the gradients; nodes with node "
+                                                 "config share-label-metrics=true report impurity counts "
+                                                 "(no label leaves a node)")
 
     def validate(self) -> None:
         if self.rho1 > self.rho2:
@@ -288,6 +302,7 @@ class SemiSFLServer:
                                        milestone_every=milestone_period(cfg, num_rounds),
                                        max_factor=cfg.ks_max_factor)
         self._cross: dict[str, float] = {}
+        self.last_pseudo: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}  # node -> (yhat, mask), last barrier
         self._sup_losses: list[float] = []
 
     # ------------------------------------------------------------------ schedule
@@ -421,6 +436,7 @@ class SemiSFLServer:
                 if g is not None:
                     a.add_(g)
             self._record_cross(loss, h_u, c, mask, conf, yhat, payloads[n].get(HIDDEN_LABELS))
+            self.last_pseudo[n] = (yhat.detach(), mask.detach())
         for p, a in zip(params, acc):
             p.grad = a / len(nodes)
         self.opt_cross.step()
@@ -556,29 +572,47 @@ class SemiSFLStrategy(SplitStrategy):
         return "teacher-weights" if name == TEACHER else "weights"
 
     def stream_kind(self, name: str, direction: str) -> str:
-        if name == HIDDEN_LABELS:
-            return "metrics"  # simulation-only side channel, not part of the protocol's cost
+        if name in (PSEUDO_LABELS, PSEUDO_MASK):
+            return "metrics"  # for the nodes' own impurity counts, not part of the protocol's cost
         return "activations" if direction == "up" else "gradients"
 
     def stream_specs(self, node: int) -> dict[str, TensorSpec]:
-        b = int(self.round_batch[node])
-        specs = {STUDENT: TensorSpec((b, *self.act_shape), "float32"),
-                 TEACHER: TensorSpec((b, *self.act_shape), "float32")}
-        if self.cfg.hidden_label_metrics:
-            specs[HIDDEN_LABELS] = TensorSpec((b,), "int64", 0, self.env.num_classes)
-        return specs
+        b = int(self.round_batch[node])  # features only: no label is ever asked of a node
+        return {STUDENT: TensorSpec((b, *self.act_shape), "float32"),
+                TEACHER: TensorSpec((b, *self.act_shape), "float32")}
 
     def server_iteration(self, step: int, payloads: dict[int, dict[str, torch.Tensor]]
                          ) -> dict[int, dict[str, torch.Tensor]]:
         nodes = self.order(payloads)
-        return self.core.cross_iteration({n: payloads[n] for n in nodes})
+        out = self.core.cross_iteration({n: payloads[n] for n in nodes})
+        if self.cfg.hidden_label_metrics:  # the nodes count their own pseudo-label errors (if they consent)
+            for n in nodes:
+                yhat, mask = self.core.last_pseudo[n]
+                small = torch.int16 if self.env.num_classes <= 2 ** 15 else torch.int64
+                out[n] = {**out[n], PSEUDO_LABELS: yhat.to(small), PSEUDO_MASK: (mask > 0).to(torch.uint8)}
+        return out
+
+    @staticmethod
+    def label_metrics(finals: dict[int, Envelope]) -> dict[str, float]:
+        """``impurity``/``pseudo-label-accuracy`` from the counts of the nodes that consented."""
+        got = [f.metrics for f in finals.values() if all(k in f.metrics for k in PL_COUNTS)]
+        if not got:
+            return {}
+        tot = {k: float(sum(float(m[k]) for m in got)) for k in PL_COUNTS}
+        out = {"label-metrics-nodes": float(len(got))}
+        if tot["pl-confident"]:
+            out["impurity"] = tot["pl-wrong-confident"] / tot["pl-confident"]
+        if tot["pl-samples"]:
+            out["pseudo-label-accuracy"] = 1.0 - tot["pl-wrong"] / tot["pl-samples"]
+        return out
 
     def aggregate(self, server_round: int, finals: dict[int, Envelope]) -> dict[str, Any]:
         nodes = self.order(finals)  # stage D: uniform mean over the replies [R]
         new = weighted_mean([finals[n].arrays["bottom"] for n in nodes], [1.0] * len(nodes))
         load_bottom_state(self.model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()},
                           self.cut)
-        out = {**self._round_metrics, **self.core.pop_cross_metrics(), **self.core.end_round(server_round)}
+        out = {**self._round_metrics, **self.core.pop_cross_metrics(), **self.label_metrics(finals),
+               **self.core.end_round(server_round)}
         out["queue-size"] = float(len(self.core.queue))
         return out
 
@@ -615,6 +649,7 @@ class SemiSFLStrategy(SplitStrategy):
 # --------------------------------------------------------------------------- client (worker hooks)
 STATE_TEACHER = "split.x.teacher"   # the client's teacher bottom (cleared by the worker each round)
 STATE_LR = "split.x.semisfl-lr"
+STATE_PL = "split.x.pl-counts"      # a consenting node's pseudo-label error counts of the round
 
 
 class SemiSFLClientHooks(SplitClientHooks):
@@ -624,8 +659,8 @@ class SemiSFLClientHooks(SplitClientHooks):
     and config ``split-batch`` (d_i), ``split-iters`` (K_u), ``semisfl-lr``. Replies of steps
     1..K_u carry ``split-tensors`` ``student`` = w_c(a_s(u)) and ``teacher`` = w~_c(a_w(u))
     (float32 [d_i, *F], the teacher without a graph) of the same unlabeled batch u, plus
-    ``hidden-labels`` (int64 [d_i]) only if ``hidden-label-metrics`` (simulation metrics).
-    Steps 2..K_u+1 carry ``split-tensors["student"]`` = d l_u / d e_i of the previous step;
+    never a label. Steps 2..K_u+1 carry ``split-tensors["student"]`` = d l_u / d e_i of the
+    previous step (and the pseudo-labels/mask of it, see the module's "Metrics");
     the client backpropagates it, takes an SGD step and sets
     w~_c <- gamma w~_c + (1-gamma) w_c. The reply of step K_u+1 carries the bottom only.
     """
@@ -664,9 +699,38 @@ class SemiSFLClientHooks(SplitClientHooks):
         teacher = self._teacher(w).eval()
         with torch.no_grad():
             out[TEACHER] = teacher(aug.weak(xb))
-        if bool(w.algo.get("hidden-label-metrics", False)):
-            out[HIDDEN_LABELS] = yb  # METRICS ONLY (simulation); never used in a loss
-        return out
+        return out  # features only: the true labels ``yb`` never leave the node
+
+    @staticmethod
+    def consents(w: Worker) -> bool:
+        """The node's own decision, off by default: node config ``share-label-metrics``, else the
+        environment variable ``FLOWER_SSL_SHARE_LABEL_METRICS`` of the node's ClientApp process
+        (Flower's simulation gives nodes no node config of their own)."""
+        v = w.node_config.get(CONSENT_KEY, os.environ.get(CONSENT_ENV, "false"))
+        return v is True or str(v).strip().lower() in ("true", "1", "yes")
+
+    def feedback(self, w: Worker, step: int, tensors: dict[str, np.ndarray], labels: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+        """Take the server's pseudo-labels/mask of ``step`` out of the gradients; a consenting
+        node adds up how many were wrong (its labels stay here, only counts are reported)."""
+        yhat, mask = tensors.pop(PSEUDO_LABELS, None), tensors.pop(PSEUDO_MASK, None)
+        if yhat is None or mask is None or not self.consents(w):
+            return tensors
+        y = np.asarray(labels).reshape(-1).astype(np.int64)
+        yhat, mask = np.asarray(yhat).reshape(-1).astype(np.int64), np.asarray(mask).reshape(-1) > 0
+        if yhat.shape != y.shape or mask.shape != y.shape or (y < 0).any():
+            return tensors  # not this batch's, or the node has no labels to compare with: no counts
+        wrong = yhat != y
+        old = w.state[STATE_PL] if STATE_PL in w.state else {k: 0.0 for k in PL_COUNTS}
+        add = {"pl-samples": len(y), "pl-wrong": int(wrong.sum()), "pl-confident": int(mask.sum()),
+               "pl-wrong-confident": int((wrong & mask).sum())}
+        w.state[STATE_PL] = ConfigRecord({k: float(old[k]) + float(add[k]) for k in PL_COUNTS})
+        return tensors
+
+    def end(self, w: Worker) -> Envelope:
+        if STATE_PL in w.state and self.consents(w):
+            return Envelope(metrics={k: float(w.state[STATE_PL][k]) for k in PL_COUNTS})
+        return Envelope()
 
     def after_step(self, w: Worker, step: int) -> None:
         teacher = self._teacher(w)
