@@ -12,7 +12,9 @@ One round (``run_round``), for ``I = local_iterations()``:
    (a bad payload drops that node, nothing is applied), call
    ``server_iteration(i, {node: streams})`` **once with all survivors** (a barrier) and
    send each node its gradients in the message that also asks for step ``i+1`` (the last
-   one asks for the final weights instead): ``I + 1`` exchanges per round in total;
+   one asks for the final weights instead): ``I + 1`` exchanges per round in total. The
+   payloads reach ``server_iteration`` on the server's device (``env.device``: moved here,
+   once, for every algorithm), and the gradients it returns may live on any device;
 5. ``aggregate(rnd, {node: final envelope})`` (default: ``|D_k|``-weighted mean of the
    bottoms, BatchNorm buffers included).
 
@@ -245,8 +247,9 @@ class SplitStrategy(SSLStrategy):
                 finals = good
                 break
             payloads = {}
+            dev = self.env.device  # the server part's device: the one place payloads are moved there
             for n in alive:
-                payloads[n] = {k: torch.from_numpy(np.array(v)) for k, v in good[n].tensors.items()}
+                payloads[n] = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in good[n].tensors.items()}
                 for k, v in good[n].tensors.items():
                     self.meter.add(self.stream_kind(k, "up"), "up", v.nbytes)
             grads = self.server_iteration(step, payloads)

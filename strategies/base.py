@@ -115,6 +115,7 @@ class SSLStrategy(Strategy):
         self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
         self.initial_given = False                 # start(initial_arrays=...) was used
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
+        self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
 
     # ------------------------------------------------------------------ setup
     def setup(self, grid: Grid | None) -> None:
@@ -206,7 +207,8 @@ class SSLStrategy(Strategy):
         op = str(config.get("op", ""))
         user = ({} if op in self.info_ops else
                 self.evaluate_config if op in self.eval_ops else self.train_config)
-        cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key, **config}
+        cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key,
+               "state-session": self.session, **config}
         return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
                            CONFIG_KEY: ConfigRecord(cfg)})
 
@@ -380,6 +382,7 @@ class SSLStrategy(Strategy):
             self.policy.round_timeout = float(timeout)
         self.train_config = dict(train_config or {})
         self.evaluate_config = dict(evaluate_config or {})
+        self.session = uuid.uuid4().hex
         self.setup(grid)
         if initial_arrays is not None and start_round == 1:
             self.load_initial_arrays(initial_arrays)

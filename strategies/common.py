@@ -197,6 +197,8 @@ def load_numpy_state(model: torch.nn.Module, state: dict[str, np.ndarray], stric
     for k, v in state.items():
         if k not in own:
             continue
+        if tuple(own[k].shape) != tuple(v.shape) and np.size(v) == own[k].numel() == 1:
+            v = np.reshape(v, tuple(own[k].shape))  # a 0-d buffer that travelled as shape (1,)
         if tuple(own[k].shape) != tuple(v.shape):
             raise ValueError(f"model state '{k}' has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
         if np.issubdtype(v.dtype, np.floating) and not np.all(np.isfinite(v)):

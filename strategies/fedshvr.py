@@ -422,7 +422,8 @@ def client_train(msg: Message, context: Context) -> Message:
 def _spec(name: str, description: str, **overrides: Any) -> AlgorithmSpec:
     return AlgorithmSpec(name=name, paper="Wang et al. 2021 (Fed-SHVR)", strategy_cls=FedSHVRStrategy,
                          config_cls=FedSHVRConfig, namespace=NAMESPACE, overrides=overrides,
-                         client={"train": client_train}, description=description)
+                         client={"train": client_train}, description=description,
+                         node_state=(STATE_CARRY, STATE_PREV, STATE_INFO))
 
 
 ALGORITHMS = {

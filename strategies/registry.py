@@ -41,8 +41,30 @@ class AlgorithmSpec:
     namespace: str = ""                  # run-config namespace of config_cls keys ("scala")
     overrides: dict[str, Any] = field(default_factory=dict)  # fixed switch values of a variant
     client: dict[str, ClientHandler] = field(default_factory=dict)  # op -> handler
+    node_state: tuple[str, ...] = ()     # context.state keys kept from round to round (strategies.node_state)
     status: str = "implemented"
     description: str = ""
+
+    def handle(self, msg: Message, context: Context, op: str | None = None) -> Message:
+        """Answer one server message on the ClientApp side, as the library's ClientApp does:
+        ``train``/``evaluate`` messages by type, queries by their config ``op``; the
+        ``node-info`` query (every algorithm); the algorithm's round-to-round node state
+        restored before and saved after (:mod:`strategies.node_state`). A user's own
+        ClientApp can route every message of this algorithm here."""
+        from . import node_state
+        from .common import CONFIG_KEY, NODE_INFO_OP, node_info
+
+        cfg = msg.content.config_records.get(CONFIG_KEY)
+        kind = msg.metadata.message_type.split(".")[0]
+        op = op or (kind if kind in ("train", "evaluate") else str((cfg or {}).get("op", "")))
+        if op == NODE_INFO_OP:  # the server learns partition ids (to sample in that order)
+            return node_info(msg, context)
+        handler = self.client.get(op)
+        if handler is None:
+            raise ValueError(f"algorithm '{self.name}' has no client handler '{op}'; it has: "
+                             f"{', '.join(sorted(self.client)) or 'none'}")
+        return node_state.handle(handler, msg, context, self.node_state,
+                                 persist=op not in ("split-info", "client-eval", "evaluate"))
 
     def parse_config(self, flat: dict[str, Any]):
         """The algorithm config from run-config keys under ``namespace``, variant switches applied."""

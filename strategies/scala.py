@@ -164,7 +164,7 @@ class ScalaStrategy(SplitStrategy):
         """P_s over ``nodes`` and P_k per node (histograms or batch counts)."""
         m = self.env.num_classes
         if self.cfg.prior == "histogram":
-            hists = [torch.from_numpy(self.histogram(n)) for n in nodes]
+            hists = [torch.from_numpy(self.histogram(n)).to(self.env.device) for n in nodes]
         else:
             hists = [torch.bincount(y, minlength=m) for y in ys]
         return _prior(torch.stack(hists).sum(0)), [_prior(h) for h in hists]
@@ -212,7 +212,7 @@ class ScalaStrategy(SplitStrategy):
             rows = self.loss_rows(logits, y, prior_rows)
         else:
             rows = F.cross_entropy(logits, y, reduction="none")
-        weights = torch.cat([torch.full((b,), 1.0 / b) for b in sizes])
+        weights = torch.cat([torch.full((b,), 1.0 / b, device=logits.device) for b in sizes])
         loss_cli = (rows * weights).sum()   # sum_k L_k, each a mean over its own B_k rows (spec 8.2)
         params = [p for p in self.top.parameters() if p.requires_grad]
         g_top = torch.autograd.grad(loss_srv, params, retain_graph=True)

@@ -373,10 +373,10 @@ _CLIENT = {"train": client_train}
 ALGORITHMS = {
     "ssfl": AlgorithmSpec(
         name="ssfl", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
-        client=_CLIENT,
+        client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
         description="labels on the server, CRL (FixMatch) users, averaging incl. the server; ssfl.groups=S for Eq. 6"),
     "ssfl-selftrain": AlgorithmSpec(
         name="ssfl-selftrain", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
-        overrides={"user_loss": "self-training"}, client=_CLIENT,
+        overrides={"user_loss": "self-training"}, client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
         description="SSFL with the traditional self-training loss (Eq. 3) on users (paper: with norm='bn')"),
 }

@@ -804,7 +804,8 @@ _PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-p
 def _spec(name: str, cls: type, mode: str, desc: str) -> AlgorithmSpec:
     return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
                          strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
-                         overrides={"mode": mode}, client=dict(_HANDLERS), description=desc)
+                         overrides={"mode": mode}, client=dict(_HANDLERS), description=desc,
+                         node_state=(STATE_HELPERS, STATE_HEAD, STATE_MODEL))
 
 
 ALGORITHMS = {

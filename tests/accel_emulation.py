@@ -150,6 +150,22 @@ class emulated_accelerator:
     def __enter__(self) -> EmulatedAccelerator:
         self._orig = torch.nn.Module.to
         torch.nn.Module.to = _module_to(self._orig)
+        self._from_numpy = torch.from_numpy  # not routed through torch-function modes
+
+        def from_numpy(a):
+            t = self._from_numpy(a)
+            _set(t, "host")
+            return t
+
+        torch.from_numpy = from_numpy
+        self._deepcopy = torch.nn.Parameter.__deepcopy__
+
+        def deepcopy(param, memo):  # a copied module (e.g. a per-client server copy) stays where it was
+            out = self._deepcopy(param, memo)
+            _set(out, tag_of(param))
+            return out
+
+        torch.nn.Parameter.__deepcopy__ = deepcopy
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre_hook)
         self.mode = EmulatedAccelerator()
         self.mode.__enter__()
@@ -159,3 +175,5 @@ class emulated_accelerator:
         self.mode.__exit__(*exc)
         self._hook.remove()
         torch.nn.Module.to = self._orig
+        torch.from_numpy = self._from_numpy
+        torch.nn.Parameter.__deepcopy__ = self._deepcopy

@@ -248,13 +248,24 @@ def test_conformance_resume_equals_uninterrupted(algo, tmp_path):
 
     s1, g1 = build(algo, grid_kw={"node_config": {"state-dir": str(tmp_path / "b")}})
     ck = {}
-    s1.start(g1, num_rounds=1, on_round_end=lambda r, m: ck.update(state=copy.deepcopy(s1.state_dict())))
+
+    class Crash(Exception):
+        pass
+
+    def checkpoint_then_crash(rnd, metrics):  # the ServerApp's checkpoint, then the server dies
+        ck["state"] = copy.deepcopy(s1.state_dict())
+        raise Crash
+
+    with pytest.raises(Crash):
+        s1.start(g1, num_rounds=2, on_round_end=checkpoint_then_crash)
     s2, g2 = build(algo, grid_kw={"node_config": {"state-dir": str(tmp_path / "b")}})
     s2.setup(g2)
     s2.load_state_dict(ck["state"])
     resumed = s2.start(g2, num_rounds=2, start_round=2)
     a, b = state_of(full.arrays), state_of(resumed.arrays)
     assert set(a) == set(b)
+    # the evaluated result too (local-only and per-client algorithms: the nodes' own models)
+    assert resumed.evaluate_metrics_serverapp[2]["accuracy"] == full.evaluate_metrics_serverapp[2]["accuracy"]
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-6, err_msg=k)
 
@@ -269,3 +280,24 @@ def test_conformance_accelerator_placement(algo, monkeypatch):
         res, rows = run(s, grid, rounds=1)
     assert mode.violations == []
     assert rows[0].get("skipped", 0) == 0 and rows[0]["dropped"] == [], rows[0]
+
+
+def test_accelerator_emulation_catches_what_cuda_rejects():
+    """The emulation itself: what CUDA refuses raises here, what CUDA accepts passes."""
+    from tests.accel_emulation import DEVICE, DeviceMixError, emulated_accelerator
+
+    with emulated_accelerator():
+        net = torch.nn.Sequential(torch.nn.Linear(3, 2)).to(DEVICE)
+        x_host = torch.from_numpy(np.ones((4, 3), dtype=np.float32))
+        with pytest.raises(DeviceMixError):
+            net(x_host)                                       # CPU batch into a GPU model
+        x = x_host.to(DEVICE)
+        out = net(x)                                          # moved: fine
+        with pytest.raises(DeviceMixError):
+            out * torch.full((4, 1), 0.5)                     # a CPU weight vector
+        (out * torch.tensor(0.5)).sum()                       # a 0-d CPU scalar is fine (as on CUDA)
+        with pytest.raises(DeviceMixError):
+            torch.cat([out, torch.zeros(1, 2)])
+        copy.deepcopy(net)(x)                                 # a copy stays on the device
+        with pytest.raises(DeviceMixError):
+            copy.deepcopy(net)(x_host)

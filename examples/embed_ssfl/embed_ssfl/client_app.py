@@ -4,16 +4,18 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from strategies.ssfl import client_info, client_train
+from strategies.ssfl import ALGORITHMS
+
+SSFL = ALGORITHMS["ssfl"]
 
 app = ClientApp()
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    return client_train(msg, context)      # one communication period of CRL on unlabeled data
+    return SSFL.handle(msg, context)       # one communication period of CRL on unlabeled data
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    return client_info(msg, context)       # partition-id for the fixed groups (ssfl.groups > 1)
+    return SSFL.handle(msg, context)       # node-info: partition id (fixed groups, partial participation)
