@@ -287,3 +287,23 @@ def test_node_data_path_overrides_the_dataset_location(tmp_path):
         run_id=1, node_id=6, node_config={"partition-id": 0, "num-partitions": 2,
                                           "data-path": str(tmp_path / "copy")},
         state=RecordDict(), run_config={}), "all").labeled()) == len(env.bundle.train)
+
+
+def test_drop_warning_names_the_real_exception_of_a_simulated_clientapp():
+    """Flower's simulation engine wraps a ClientApp's exception in ClientAppException around
+    Ray's traceback; the drop warning shows the exception the ClientApp raised, in full."""
+    from strategies.base import describe_error
+
+    frames = "".join(f'  File "/site-packages/mod{i}.py", line {i}, in f{i}\n    call_{i}()\n' for i in range(30))
+    reason = ("<class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException ClientAppException "
+              "occurred. Message: ray::ClientAppActor.run() (pid=4242, ip=127.0.0.1, "
+              "actor_id=abc, repr=<flwr.simulation.ray_transport.ray_actor.ClientAppActor object>)\n"
+              f"Traceback (most recent call last):\n{frames}"
+              "ValueError: Expected more than 1 value per channel when training, got input size "
+              "torch.Size([1, 500])'>")
+    assert len(reason) > 500
+    assert describe_error(reason) == ("ValueError: Expected more than 1 value per channel when training, "
+                                      "got input size torch.Size([1, 500])")
+    # a deployment reply: "<class 'T'>:<'message'>"
+    assert describe_error("<class 'ZeroDivisionError'>:<'division by zero'>") == "ZeroDivisionError: division by zero"
+    assert describe_error("something else entirely") == "something else entirely"
