@@ -3,7 +3,10 @@
 ``<results-dir>/<run-name>/``
   ``config.json``     the resolved run config (every key, defaults included)
   ``metrics.jsonl``   one JSON object per completed round
-  ``checkpoint.pt``   everything needed to resume, replaced atomically after each round
+  ``checkpoint.pt``   everything needed to resume, replaced atomically after each round;
+                      loadable with ``torch.load(..., weights_only=True)`` (tensors, numbers, strings,
+                      lists, tuples, dicts; numpy arrays are stored as tensors and restored on load),
+                      so a tampered checkpoint cannot run code on resume
   ``model.pt``        the final global model's state dict
   ``curves.png``      accuracy and loss per round
   ``partition.json``  the realised partition skew (R, class histograms, ...)
@@ -17,9 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 CHECKPOINT = "checkpoint.pt"
+_NDARRAY = "__flower_ssl_ndarray__"   # marks a numpy array stored as a tensor in a checkpoint
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
 # keys that may differ between the original run and a resumed one
@@ -30,6 +35,60 @@ def _json_default(o: Any):
     if hasattr(o, "tolist"):
         return o.tolist()
     return str(o)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded safely (the message names the file)."""
+
+
+def to_safe(obj: Any, where: str = "state") -> Any:
+    """``obj`` with numpy arrays as tensors (marked) and numpy scalars as Python numbers, so
+    that ``torch.load(weights_only=True)`` reads it back; anything else that the safe loader
+    would refuse raises ``TypeError`` naming where it is (at save time, not at resume)."""
+    if isinstance(obj, np.generic):  # (before the Python types: np.float64 is a float)
+        return obj.item()
+    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biufc":
+            raise TypeError(f"checkpoint: {where} is a numpy array of dtype {obj.dtype}; not storable safely")
+        return {_NDARRAY: torch.from_numpy(np.array(obj, copy=True, order="C")), "dtype": obj.dtype.str}
+    if isinstance(obj, dict):
+        return {k: to_safe(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [to_safe(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return out if isinstance(obj, list) else tuple(out)
+    raise TypeError(f"checkpoint: {where} is a {type(obj).__name__}, which a safe (weights_only) load "
+                    f"cannot read; store tensors, numbers, strings, lists, tuples or dicts")
+
+
+def from_safe(obj: Any) -> Any:
+    """Inverse of :func:`to_safe`."""
+    if isinstance(obj, dict):
+        if _NDARRAY in obj and set(obj) == {_NDARRAY, "dtype"}:
+            return obj[_NDARRAY].numpy().astype(np.dtype(obj["dtype"]), copy=False)
+        return {k: from_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_safe(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_safe(v) for v in obj)
+    return obj
+
+
+def load_safely(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; any failure is a :class:`CheckpointError` naming the file."""
+    try:
+        return from_safe(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+        text = str(e)
+        if "WeightsUnpickler error:" in text:  # torch's one relevant line (not its advice to drop weights_only)
+            text = text.split("WeightsUnpickler error:", 1)[1].split(". Please use", 1)[0].strip()
+        text = text.splitlines()[0][:300] if text.strip() else ""
+        raise CheckpointError(
+            f"cannot load checkpoint {path}: {type(e).__name__}: {text}. It is loaded with "
+            f"weights_only=True (no code runs), so it was tampered with, is damaged, or was written by an "
+            f"older version of flower-ssl; nothing was overwritten. Move it away to start over, or restore "
+            f"a good copy to resume.") from None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -99,7 +158,7 @@ class RunFolder:
             os.fsync(fh.fileno())
 
     def save_checkpoint(self, rnd: int, state: dict[str, Any]) -> None:
-        atomic_torch_save({"round": rnd, "state": state}, self.path / CHECKPOINT)
+        atomic_torch_save(to_safe({"round": int(rnd), "state": state}, "checkpoint"), self.path / CHECKPOINT)
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
         atomic_torch_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.path / "model.pt")
@@ -107,11 +166,18 @@ class RunFolder:
     # ---------------------------------------------------------------- reading
     def last_checkpoint_round(self) -> int:
         p = self.path / CHECKPOINT
-        return int(torch.load(p, map_location="cpu", weights_only=False)["round"]) if p.exists() else 0
+        if not p.exists():
+            return 0
+        ck = load_safely(p)
+        try:
+            return int(ck["round"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"checkpoint {p} has no round number; nothing was overwritten") from None
 
     def load_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint (``{"round", "state"}``), read with ``weights_only=True``; ``None`` if absent."""
         p = self.path / CHECKPOINT
-        return torch.load(p, map_location="cpu", weights_only=False) if p.exists() else None
+        return load_safely(p) if p.exists() else None
 
     def metrics(self) -> list[dict[str, Any]]:
         p = self.path / METRICS

@@ -1,0 +1,87 @@
+"""Checkpoints are read with ``torch.load(weights_only=True)`` (issue 14): a tampered
+``checkpoint.pt`` cannot run code on resume; a checkpoint that fails to load is a clear
+error naming the file, and nothing in the run folder is overwritten."""
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flower_apps.results import CHECKPOINT, CheckpointError, RunFolder
+
+CONFIG = {"algo": "fedavg", "num-rounds": 3}
+
+
+def _folder(tmp_path, state) -> RunFolder:
+    f = RunFolder(tmp_path / "run")
+    f.start(CONFIG, resume=False)
+    f.append_metrics(1, {"accuracy": 0.5})
+    f.save_checkpoint(1, state)
+    return f
+
+
+def test_a_strategy_like_state_round_trips_through_a_safe_load(tmp_path):
+    rng = random.Random(3)
+    state = {"model": {"w": torch.randn(3, 2), "bn.num_batches_tracked": torch.tensor(4)},
+             "rng": rng.getstate(),
+             "extra": {"info": {1001: {"partition": 0, "n": 50, "hist": np.array([3, 0, 7], np.int64)}},
+                       "c": [np.zeros((2, 2), np.float32), np.float64(2.5), np.int64(7), np.bool_(True)],
+                       "scalar": np.array(1.5), "none": None, "name": "x"}}
+    f = _folder(tmp_path, state)
+    torch.load(f.path / CHECKPOINT, weights_only=True)   # the file itself is weights-only loadable
+    ck = f.load_checkpoint()
+    assert ck["round"] == 1 and f.last_checkpoint_round() == 1
+    got = ck["state"]
+    assert torch.equal(got["model"]["w"], state["model"]["w"])
+    r2 = random.Random()
+    r2.setstate(got["rng"])
+    assert r2.random() == rng.random()
+    h = got["extra"]["info"][1001]["hist"]
+    assert isinstance(h, np.ndarray) and h.dtype == np.int64 and h.tolist() == [3, 0, 7]
+    c = got["extra"]["c"]
+    assert c[0].dtype == np.float32 and c[0].shape == (2, 2) and c[1:] == [2.5, 7, True]
+    assert got["extra"]["scalar"].shape == () and float(got["extra"]["scalar"]) == 1.5
+
+
+def test_saving_something_a_safe_load_could_not_read_fails_at_save_time(tmp_path):
+    f = RunFolder(tmp_path / "run")
+    f.start(CONFIG, resume=False)
+    with pytest.raises(TypeError, match=r"checkpoint\['state'\]\['extra'\]\['obj'\] is a object"):
+        f.save_checkpoint(1, {"extra": {"obj": object()}})
+    assert not (f.path / CHECKPOINT).exists()
+
+
+class _Payload:
+    """Unpickling this would create ``marker`` (stands for arbitrary code)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("kind", ["code", "garbage", "truncated"])
+def test_a_bad_checkpoint_is_a_clear_error_runs_nothing_and_overwrites_nothing(tmp_path, kind):
+    f = _folder(tmp_path, {"x": torch.ones(3)})
+    p = f.path / CHECKPOINT
+    marker = tmp_path / "pwned"
+    if kind == "code":
+        torch.save({"round": 1, "state": {"x": _Payload(marker)}}, p)   # a tampered checkpoint
+        with pytest.raises(pickle.UnpicklingError):  # (what the old weights_only=False load would not stop)
+            torch.load(p, weights_only=True)
+    elif kind == "garbage":
+        p.write_bytes(b"\x80\x04not a checkpoint")
+    else:
+        p.write_bytes(p.read_bytes()[:50])
+    before = {q.name: q.read_bytes() for q in f.path.iterdir()}
+    for load in (f.load_checkpoint, f.last_checkpoint_round, lambda: f.start(CONFIG, resume=True)):
+        with pytest.raises(CheckpointError, match=f"(?s)cannot load checkpoint {p}: .*nothing was overwritten"):
+            load()
+    assert not marker.exists()   # no code ran
+    assert {q.name: q.read_bytes() for q in f.path.iterdir()} == before   # metrics, config, checkpoint as they were
+    assert json.loads((f.path / "metrics.jsonl").read_text())["round"] == 1
