@@ -8,6 +8,12 @@ partition through ``--node-config "partition-id=i num-partitions=N"``, writes a 
 (with its descendants: superexec, flwr-serverapp, flwr-clientapp) in ``stop()``, which
 also checks that none is left; use it as a context manager or from a fixture.
 
+SuperNode authentication (``supernode_auth=True``, TLS only): the SuperLink runs with
+``--enable-supernode-auth``; each SuperNode gets an EC (P-384) key pair made here, its public
+key is registered with ``flwr supernode register`` before the node starts, and the node
+signs its requests with ``--auth-supernode-private-key``. :meth:`start_unregistered_node`
+starts a node with a key the SuperLink never saw (it must be refused).
+
 Usable outside pytest too::
 
     with Deployment(Path("/tmp/dep"), num_nodes=3, tls=True) as dep:
@@ -44,6 +50,23 @@ def toml_value(v: Any) -> str:
 
 def config_arg(cfg: dict[str, Any]) -> str:
     return " ".join(f"{k}={toml_value(v)}" for k, v in cfg.items())
+
+
+def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
+    """An EC P-384 key pair in OpenSSH format (what ``flower-supernode`` and ``flwr supernode
+    register`` read): (private key file, public key file)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    priv, pub = folder / name, folder / f"{name}.pub"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()))
+    priv.chmod(0o600)
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                  serialization.PublicFormat.OpenSSH) + b" flower-ssl-test\n")
+    return priv, pub
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:
@@ -85,7 +108,11 @@ class Deployment:
     """One SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1, insecure or TLS."""
 
     def __init__(self, workdir: Path, num_nodes: int = 3, tls: bool = False, name: str = "deploy",
-                 poll_interval: float = 0.5, project: Path = ROOT) -> None:
+                 poll_interval: float = 0.5, project: Path = ROOT, supernode_auth: bool = False) -> None:
+        if supernode_auth and not tls:
+            raise ValueError("Flower's SuperNode authentication needs TLS")
+        self.supernode_auth = supernode_auth
+        self.keys: dict[int, tuple[Path, Path]] = {}   # node index -> (private, public) key files
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.num_nodes, self.tls, self.name, self.project = num_nodes, tls, name, project
@@ -143,11 +170,33 @@ class Deployment:
                 "--log-file", str(self.logs / "superlink.log")]
         args += (["--ssl-ca-certfile", str(self.certs["ca"]), "--ssl-certfile", str(self.certs["cert"]),
                   "--ssl-keyfile", str(self.certs["key"])] if self.tls else ["--insecure"])
+        args += ["--enable-supernode-auth"] if self.supernode_auth else []
         self.superlink = self._popen(args, "superlink.out")
         self.write_connection()
         for i in range(self.num_nodes):
+            if self.supernode_auth:
+                self.keys[i] = make_node_key(self.workdir / "node-keys", f"node{i}")
+                self.register(self.keys[i][1])
             self.start_node(i)
         self.wait_online(self.num_nodes)
+
+    def register(self, public_key: Path, timeout: float = 120.0) -> None:
+        """``flwr supernode register <public key> <connection>`` (retried while the SuperLink starts)."""
+        deadline = time.time() + timeout
+        while True:
+            self._check_up()
+            res = self.cli(["supernode", "register", str(public_key), self.name], timeout=60)
+            if res.returncode == 0:
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"flwr supernode register failed: {(res.stdout + res.stderr)[-2000:]}")
+            time.sleep(1.0)
+
+    def start_unregistered_node(self, i: int, node_config: str | None = None) -> subprocess.Popen:
+        """SuperNode ``i`` with a key pair that was never registered (``node_config`` as in
+        :meth:`start_node`)."""
+        self.keys[i] = make_node_key(self.workdir / "node-keys", f"stranger{i}")
+        return self.start_node(i, node_config)
 
     def write_connection(self) -> None:
         lines = ["[superlink]", f'default = "{self.name}"', "", f"[superlink.{self.name}]",
@@ -164,6 +213,8 @@ class Deployment:
         args = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
                 "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", nc]
         args += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
+        if i in self.keys:
+            args += ["--auth-supernode-private-key", str(self.keys[i][0])]
         self.nodes[i] = self._popen(args, f"supernode{i}.out" if n == 0 else f"supernode{i}.{n}.out")
         return self.nodes[i]
 

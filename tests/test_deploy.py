@@ -99,3 +99,25 @@ def test_bad_run_config_is_reported_by_flwr_run(deployment):
     proc = dep.cli(["run", str(dep.project), dep.name, "-c", config_arg({"num-round": 2})], timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Invalid run configuration" in out, out[-2000:]
+
+
+def test_supernode_authentication_admits_registered_nodes_only(tmp_path):
+    """``flower-superlink --enable-supernode-auth`` (TLS): two SuperNodes whose public keys were
+    registered with ``flwr supernode register`` train; a third with an unregistered key, posing
+    as partition 0, is refused at activation (SuperLink: "No SuperNode found with the given
+    public key"; the node exits, reporting Flower's exit code 305), and the run goes on without it."""
+    import time
+
+    with Deployment(tmp_path / "auth", num_nodes=2, tls=True, supernode_auth=True) as dep:
+        stranger = dep.start_unregistered_node(2, "partition-id=0 num-partitions=2")
+        t_end = time.time() + 120
+        while stranger.poll() is None and time.time() < t_end:
+            time.sleep(0.5)
+        assert stranger.returncode not in (None, 0), "the unregistered SuperNode is still running"
+        assert "Exit Code: 305" in dep.log("supernode2.out"), dep.log("supernode2.out")[-2000:]
+        assert "No SuperNode found with the given public key" in dep.log("superlink.out")
+        res = dep.run({**COMMON, "algo": "fedavg", "local-steps": 3}, "auth", timeout=600)
+        assert res.proc.returncode == 0, (res.output[-4000:], dep.diagnose())
+        (r,) = res.metrics()
+        assert r["participants"] == 2 and r["dropped"] == [] and not r.get("skipped"), r
+        assert dep.online_nodes() == 2
