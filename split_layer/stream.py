@@ -11,10 +11,11 @@ travel over a gRPC stream that the ServerApp hosts for the duration of the round
    ephemeral port on 127.0.0.1) and sends each sampled node the usual step-1 message plus
    the endpoint (``split-stream-address``), a per-node, per-round secret
    (``split-stream-token``), the server's certificate when TLS is on
-   (``split-stream-cert``) and the wait limit (``split-stream-timeout`` = ``round-timeout``).
+   (``split-stream-cert``), the wait limit (``split-stream-timeout`` = ``round-timeout``)
+   and the round's message bound (``split-stream-max-frame``).
 2. The ClientApp handler (:func:`split_layer.worker.make_split_handlers`) connects,
-   authenticates with the secret in its first frame -- which also carries the streams of
-   step 1 -- and runs every local iteration of the round over the stream, keeping its
+   starts the call with the secret in its metadata and the streams of step 1 as its first
+   frame, and runs every local iteration of the round over the stream, keeping its
    bottom model, optimizer and the autograd graph of the last forward pass in memory
    (no recomputation, nothing in ``context.state``).
 3. The server sends the gradients of step ``I`` with ``final``; the client applies them and
@@ -110,7 +111,8 @@ MAX_REFUSAL_LOGS = 20             # per round; the rest are counted and summaris
 # accepts pings that often, pings every 60 s itself, and closes a connection whose pings go
 # unanswered for 20 s, one that has not finished its handshake in 20 s or that holds no call for 60 s.
 # Each client has a connection of its own (no subchannel shared with other clients of the process).
-_KEEPALIVE_CLIENT = [("grpc.use_local_subchannel_pool", 1), ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
+_KEEPALIVE_CLIENT = [("grpc.use_local_subchannel_pool", 1),
+                     ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 20_000),
                      ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0)]
 _KEEPALIVE_SERVER = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
                      ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

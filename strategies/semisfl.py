@@ -73,8 +73,8 @@ in fact labeled). No label ever leaves a node: with ``semisfl.hidden-label-metri
 (``bytes.metrics.down``, 3 bytes per sample), and a node **that consents** -- node config
 ``share-label-metrics = true``, or ``FLOWER_SSL_SHARE_LABEL_METRICS=1`` in the environment
 of its ClientApp (a simulation gives nodes no node config); off by default -- compares them
-with its own labels and reports four counts per round in its final reply (``pl-samples``, ``pl-wrong``,
-``pl-confident``, ``pl-wrong-confident``); the PS sums them into ``impurity`` and
+with its own labels and reports four counts per round in its final reply (``pl-samples``,
+``pl-wrong``, ``pl-confident``, ``pl-wrong-confident``); the PS sums them into ``impurity`` and
 ``pseudo-label-accuracy`` (and ``label-metrics-nodes``: how many nodes reported). A node
 that does not consent reports nothing and is treated like any other. The mask rate needs
 no labels and is always reported. (The core, :meth:`SemiSFLServer.cross_iteration`, still
