@@ -37,8 +37,9 @@ class AppConfig:
                                                 "split-stream-host)")
     split_stream_port: int = knob(0, lo=0, hi=65535, help="stream transport: port (0 = an ephemeral port per round)")
     split_stream_tls: str = knob("auto", choices=("auto", "on", "off"),
-                                 help="stream transport: TLS with a per-run self-signed certificate shipped in the "
-                                      "Flower start message; auto = on unless split-stream-host is a loopback address")
+                                 help="stream transport: TLS with a per-round self-signed certificate shipped in "
+                                      "the Flower start message; auto = on unless the address SuperNodes dial "
+                                      "(split-stream-advertise, else split-stream-host) is a loopback address")
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():
