@@ -45,9 +45,10 @@ else the host) is a loopback address, ``on`` always, ``off`` never. The server m
 fresh self-signed certificate for every round, valid for that round's longest legitimate
 duration plus an hour, and ships it in the Flower start message, which itself travels over
 the deployment's authenticated (TLS) channel, so there are no certificate files to manage;
-the client trusts exactly that certificate. Each of the client's waits is bounded by
-``split-stream-timeout`` (one wait per frame, not the round), and keepalive pings detect a
-half-open connection.
+the client trusts exactly that certificate. Each of the client's waits for a frame is
+bounded by twice ``split-stream-timeout`` (the server's own wait for the slowest node, then
+its answer; one wait per frame, not the round), and keepalive pings detect a half-open
+connection.
 
 Faults and waits: a node whose stream breaks, whose frame is malformed, whose Flower reply
 is an error or that is silent for ``round-timeout`` seconds is dropped from the rest of the
@@ -666,14 +667,18 @@ class StreamClient:
     """The ClientApp end of one round's stream (lock-step: send a frame, receive a frame).
 
     The call starts with the first :meth:`send` (its metadata authenticates the node, the
-    frame follows at once); each :meth:`recv` waits at most ``timeout`` seconds, and
-    keepalive pings detect a dead server sooner. ``max_frame``: the largest message
+    frame follows at once); each :meth:`recv` waits at most ``2 x timeout`` seconds (the
+    server waits ``timeout`` for the slowest node, then answers), and keepalive pings detect
+    a dead server sooner. ``max_frame``: the largest message
     accepted from the server (the round's bound, from the start message; 0 = unbounded).
     """
 
     def __init__(self, address: str, token: str | bytes, node: int, cert: str = "", timeout: float = 600.0,
                  frames: int = 1, max_frame: int = 0) -> None:
         self.node, self.timeout = node, float(timeout)
+        # the server waits up to ``timeout`` for the slowest node of a step before it computes and
+        # answers, so one wait here is bounded by twice that (not by timeout x iterations)
+        self.recv_wait = 2.0 * self.timeout
         self.token = token if isinstance(token, bytes) else str(token).encode("utf-8", "surrogateescape")
         opts = _grpc_options(int(max_frame) if max_frame and max_frame > 0 else -1) + _KEEPALIVE_CLIENT
         if cert:
@@ -718,7 +723,7 @@ class StreamClient:
             late.set()
             self.call.cancel()
 
-        timer = threading.Timer(self.timeout, too_late)
+        timer = threading.Timer(self.recv_wait, too_late)
         timer.daemon = True
         timer.start()
         try:
@@ -728,7 +733,7 @@ class StreamClient:
         except grpc.RpcError as e:
             if late.is_set():
                 raise StreamError(f"split stream {self.address}: no frame from the server within "
-                                  f"{self.timeout:.0f} s") from None
+                                  f"{self.recv_wait:.0f} s") from None
             raise StreamError(f"split stream {self.address}: {e.code().name}: {e.details()}") from None
         finally:
             timer.cancel()

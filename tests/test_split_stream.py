@@ -337,9 +337,10 @@ def test_the_client_waits_at_most_its_timeout_for_each_frame():
         c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=1.0, frames=1000)
         c.send({"step": 1}, {})
         t0 = __import__("time").monotonic()
-        with pytest.raises(StreamError, match="no frame from the server within 1 s"):
+        # twice the timeout: the server itself waits up to the timeout for the slowest node, then answers
+        with pytest.raises(StreamError, match="no frame from the server within 2 s"):
             c.recv()
-        assert __import__("time").monotonic() - t0 < 5
+        assert 1.9 < __import__("time").monotonic() - t0 < 6
         c.close()
     finally:
         srv.stop()
