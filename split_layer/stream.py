@@ -38,7 +38,8 @@ node has one stream per round (a second one is refused); the round's server acce
 this round's nodes and tokens. Every message is bounded by the largest frame the round can
 legitimately carry (:func:`max_frame_bytes` of the strategy's ``stream_specs``, plus a
 margin), so gRPC rejects an oversized message before buffering it; the first frame has a
-deadline (``first-frame`` seconds after the call starts); idle connections are closed
+deadline (60 s after the call starts, plus the time to send the largest frame at 1 Mbit/s,
+at most the timeout); idle connections are closed
 (handshake timeout, idle timeout, keepalive pings both ways). TLS (``split-stream-tls``):
 ``auto`` (default) encrypts unless the address the clients dial (``split-stream-advertise``,
 else the host) is a loopback address, ``on`` always, ``off`` never. The server makes a
@@ -106,7 +107,8 @@ TOKEN_HEADER = "x-flowerssl-token-bin"   # "-bin": raw bytes, so any token value
 _DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 FRAME_MARGIN = 64 * 1024          # header, tensor table, error text on top of the tensor bytes
 DEFAULT_MAX_FRAME = 64 * 2 ** 20  # a transport whose owner declares no stream specs
-FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout)
+FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout),
+FIRST_FRAME_RATE = 128 * 1024     # ... plus the time to send the largest frame at 1 Mbit/s
 MAX_REFUSAL_LOGS = 20             # per round; the rest are counted and summarised at the round's end
 # keepalive: the client pings every 30 s (also while it computes and sends nothing); the server
 # accepts pings that often, pings every 60 s itself, and closes a connection whose pings go
@@ -333,7 +335,7 @@ class _Server:
         self.events: queue.Queue = queue.Queue()   # (node, kind, payload)
         self.sessions = {n: _Session(secrets.token_hex(32)) for n in nodes}
         self.max_frame = int(max_frame)
-        self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S)
+        self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S + self.max_frame / FIRST_FRAME_RATE)
         self.refused: collections.Counter = collections.Counter()   # reason -> count
         self._logged = 0
         self._dummy = secrets.token_hex(32).encode()  # compared against for unknown nodes (same timing)
