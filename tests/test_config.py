@@ -74,3 +74,20 @@ def test_every_algorithm_resolves():
         assert spec.name == name
         parsed = parse_run_config({**pyproject_config(), "algo": name})
         assert parsed.spec is spec
+
+
+def test_uv_overrides_cover_every_requirement():
+    """[tool.uv] override-dependencies excludes every requirement for uv (so a SuperLink's
+    per-run `uv sync` installs nothing), and only for uv: pip still installs them all."""
+    import re
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        py = tomllib.load(fh)
+
+    def name(req: str) -> str:
+        return re.split(r"[\s\[<>=!~;]", req.strip(), maxsplit=1)[0].lower()
+
+    reqs = py["project"]["dependencies"] + [r for extra in py["project"]["optional-dependencies"].values()
+                                            for r in extra]
+    overrides = py["tool"]["uv"]["override-dependencies"]
+    assert sorted(map(name, overrides)) == sorted(map(name, reqs))
+    assert all(o.split(";")[1].strip() == "python_version < '3'" for o in overrides)  # never true here
