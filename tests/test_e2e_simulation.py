@@ -9,7 +9,7 @@ from tests.flower_harness import read_metrics, run_simulation_inprocess
 pytestmark = pytest.mark.e2e
 
 
-def test_fedavg_and_supervised_only_three_supernodes(sim_env):
+def test_fedavg_three_supernodes(sim_env):
     base = {"num-rounds": 2, "local-steps": 15, "server-labels": 200, "seed": 1}
     folder = run_simulation_inprocess({**base, "algo": "fedavg"}, sim_env / "results", 3, "fedavg")
     rows = read_metrics(folder)
@@ -25,9 +25,7 @@ def test_fedavg_and_supervised_only_three_supernodes(sim_env):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["algo"] == "fedavg" and cfg["local-steps"] == 15 and cfg["dataset"] == "mnist5k"
 
-    folder2 = run_simulation_inprocess({**base, "algo": "supervised-only"}, sim_env / "results", 3, "sup")
-    rows2 = read_metrics(folder2)
-    assert rows2[-1]["bytes.total"] == 0 and rows2[-1]["accuracy"] > 0.3
+    # supervised-only contacts no node: proven in process (tests/test_conformance.py, no Ray start)
 
 
 def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids():
