@@ -20,7 +20,7 @@ class AppConfig:
     """How the run is driven (not sent to clients)."""
 
     algo: str = knob("semisfl", help="which algorithm to run (see README table)")
-    num_rounds: int = knob(5, lo=1, help="communication rounds")
+    num_rounds: int = knob(4, lo=1, help="communication rounds")
     fraction_train: float = knob(1.0, lo=0.0, hi=1.0, lo_open=True, help="share of nodes sampled per round")
     min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
     round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
