@@ -31,6 +31,7 @@ def hermetic_env(tmp: Path) -> dict[str, str]:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "RAY_DEDUP_LOGS": "0",
+        "FLOWER_SSL_STATE_DIR": str(tmp / "node-state"),  # nodes' saved state stays in the test's folder
     })
     for k in ("FLWR_HOME", "RAY_TMPDIR"):
         Path(env[k]).mkdir(parents=True, exist_ok=True)
