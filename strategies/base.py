@@ -38,7 +38,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from tasks.aggregate import weighted_mean
 from tasks.config import TaskConfig
 
-from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, TASK_KEY, Env,
+from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, EVAL_OPS, INFO_OPS, METRICS_KEY, TASK_KEY, Env,
                      derive_seed, evaluate, load_numpy_state, record_to_numpy, server_env, task_record)
 
 
@@ -191,11 +191,6 @@ class SSLStrategy(Strategy):
                 time.sleep(poll)
         return [n for n in nodes if n in self.partition_of]
 
-    #: query ops that ask a node about itself: they carry no user config
-    info_ops: tuple[str, ...] = ("node-info", "split-info")
-    #: ops that evaluate: they carry ``evaluate_config`` (all other messages carry ``train_config``)
-    eval_ops: tuple[str, ...] = ("client-eval",)
-
     def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None:
         """Record what a node said of its partition (``node-info``, or the split runtime's
         ``split-info``, which answers the same and adds the node's data statistics)."""
@@ -205,8 +200,7 @@ class SSLStrategy(Strategy):
 
     def base_content(self, server_round: int, **config: Any) -> RecordDict:
         op = str(config.get("op", ""))
-        user = ({} if op in self.info_ops else
-                self.evaluate_config if op in self.eval_ops else self.train_config)
+        user = ({} if op in INFO_OPS else self.evaluate_config if op in EVAL_OPS else self.train_config)
         cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key,
                "state-session": self.session, **config}
         return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),

@@ -127,6 +127,10 @@ def task_from_record(rec: ConfigRecord) -> TaskConfig:
 
 
 NODE_INFO_OP = "node-info"  # query op every ClientApp of this library answers (see node_info)
+# ops that ask a node about itself (no user config, node state not saved) and ops that evaluate
+# (evaluate_config, node state not saved); every other message trains
+INFO_OPS = (NODE_INFO_OP, "split-info")
+EVAL_OPS = ("client-eval", "evaluate")
 
 
 def node_partition(context: Context) -> tuple[int, int]:
@@ -224,15 +228,9 @@ def num_local_steps(task: TaskConfig, n: int) -> int:
 
 
 def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of the batches of one epoch over ``n`` samples, never a batch of one:
-    a last batch of 1 joins the batch before it (``B + 1``), and a data set of one sample is
-    one batch of that sample twice (BatchNorm cannot train on a batch of 1; repeating the
-    only sample leaves cross-entropy unchanged). With ``batch_size == 1`` batches of 1 are
-    what was asked for."""
-    if n <= 0:
-        return []
-    if n == 1:
-        return [(0, 1)]
+    """``[start, stop)`` of the batches of one epoch over ``n`` samples: a last batch of 1
+    joins the batch before it (``B + 1``; BatchNorm cannot train on a batch of 1). With
+    ``batch_size == 1`` batches of 1 are what was asked for."""
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     if batch_size > 1 and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
         bounds[-2:] = [(bounds[-2][0], n)]
@@ -241,7 +239,8 @@ def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
 
 def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
     """``steps`` mini-batches of indices: reshuffled epochs, cycled, last batch kept short
-    (never of size 1 when ``batch_size > 1``: see :func:`batch_bounds`)."""
+    (never of size 1 when ``batch_size > 1``: see :func:`batch_bounds`; a data set of one
+    sample is a batch of that sample twice, which leaves cross-entropy unchanged)."""
     if n == 0:
         return
     done = 0
@@ -249,7 +248,7 @@ def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> 
     while done < steps:
         perm = torch.randperm(n, generator=gen)
         for s, e in bounds:
-            yield perm[s:e] if (n > 1 or batch_size == 1) else perm.repeat(2)
+            yield perm[s:e] if (e - s > 1 or batch_size == 1) else perm[s:e].repeat(2)
             done += 1
             if done == steps:
                 return

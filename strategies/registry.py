@@ -52,7 +52,7 @@ class AlgorithmSpec:
         restored before and saved after (:mod:`strategies.node_state`). A user's own
         ClientApp can route every message of this algorithm here."""
         from . import node_state
-        from .common import CONFIG_KEY, NODE_INFO_OP, node_info
+        from .common import CONFIG_KEY, EVAL_OPS, INFO_OPS, NODE_INFO_OP, node_info
 
         cfg = msg.content.config_records.get(CONFIG_KEY)
         kind = msg.metadata.message_type.split(".")[0]
@@ -64,7 +64,7 @@ class AlgorithmSpec:
             raise ValueError(f"algorithm '{self.name}' has no client handler '{op}'; it has: "
                              f"{', '.join(sorted(self.client)) or 'none'}")
         return node_state.handle(handler, msg, context, self.node_state,
-                                 persist=op not in ("split-info", "client-eval", "evaluate"))
+                                 persist=op not in INFO_OPS + EVAL_OPS)
 
     def parse_config(self, flat: dict[str, Any]):
         """The algorithm config from run-config keys under ``namespace``, variant switches applied."""

@@ -190,14 +190,9 @@ def test_conformance_initial_arrays(algo):
 def test_conformance_flower_parameters(algo):
     s, grid = build(algo)
     calls = []
-
-    def evaluate_fn(rnd, arrays):
-        calls.append(rnd)
-        return common.MetricRecord({"user-metric": float(rnd)}) if hasattr(common, "MetricRecord") else None
-
     from flwr.app import ConfigRecord, MetricRecord
 
-    def evaluate_fn(rnd, arrays):  # noqa: F811
+    def evaluate_fn(rnd, arrays):
         calls.append(rnd)
         return MetricRecord({"user-metric": float(rnd) + 0.5})
 
