@@ -8,6 +8,7 @@ algorithm's config dataclass. Anything unknown, mistyped or out of range raises
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,12 @@ def _top_level_keys() -> list[str]:
     return sorted({key_of(f.name) for cls in (AppConfig, TaskConfig) for f, _ in fields_of(cls)})
 
 
-def parse_run_config(raw: dict[str, Any]) -> ParsedConfig:
-    """Validate a flat Flower run config and return typed configs."""
+def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None) -> ParsedConfig:
+    """Validate a flat Flower run config and return typed configs.
+
+    ``explicit``: the keys the user set (the run's override config), so that a key that
+    contradicts the chosen variant's fixed switches is an error even at its default value
+    (:meth:`strategies.registry.AlgorithmSpec.parse_config`)."""
     flat = dict(raw)
     allowed_top = _top_level_keys()
     spaces = namespaces()
@@ -90,7 +95,7 @@ def parse_run_config(raw: dict[str, Any]) -> ParsedConfig:
     # validate every namespace present (typos in another algorithm's keys are errors too)
     for ns, spec in spaces.items():
         if any(k.startswith(ns + ".") for k in flat):
-            spec.parse_config(flat)
+            parse_dataclass(spec.config_cls, flat, ns)
     spec = get_algorithm(app.algo)
     if app.split_transport != "message":
         from split_layer.runtime import SplitStrategy
@@ -100,7 +105,7 @@ def parse_run_config(raw: dict[str, Any]) -> ParsedConfig:
             raise ConfigError(f"split-transport={app.split_transport!r} applies to split algorithms only "
                               f"({', '.join(split_algos)}); algo={app.algo!r} exchanges whole models over "
                               f"Flower messages: drop the key or set split-transport='message'")
-    algo_cfg = spec.parse_config(flat)
+    algo_cfg = spec.parse_config(flat, explicit)
     return ParsedConfig(app, task, spec, algo_cfg)
 
 

@@ -57,10 +57,20 @@ def stream_options(app_cfg):
                          timeout=app_cfg.round_timeout)
 
 
-def run(grid: Grid, run_config: dict) -> Path:
-    """Run one configured experiment on ``grid``; return the run folder."""
+def user_keys(grid: Grid) -> set[str] | None:
+    """The run-config keys the user set for this run (``flwr run --run-config``), or None
+    where the grid does not know its run."""
     try:
-        parsed = parse_run_config(run_config)
+        return set(grid.run.override_config)
+    except Exception:  # noqa: BLE001 - a grid without a run (LocalGrid, tests)
+        return None
+
+
+def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
+    """Run one configured experiment on ``grid``; return the run folder. ``explicit``: the
+    keys the user set (default: the grid's run override config)."""
+    try:
+        parsed = parse_run_config(run_config, user_keys(grid) if explicit is None else explicit)
         preflight(parsed)  # dataset, device, model, cut: before any node is contacted
     except ConfigError as e:
         log(ERROR, "invalid run config: %s", e)

@@ -33,11 +33,19 @@ def fused_run_config(overrides: list[str] | None, project_dir: Path = PROJECT_DI
         raise ConfigError(f"{e}; see [tool.flwr.app.config] in {project_dir / 'pyproject.toml'}") from e
 
 
+def override_keys(overrides: list[str] | None) -> set[str]:
+    """The keys a list of ``--run-config`` overrides sets (files included)."""
+    from flwr.common.config import parse_config_args
+
+    return set(parse_config_args(overrides))
+
+
 def run_simulation_inprocess(run_config: dict[str, Any], num_supernodes: int = 3,
                              client_cpus: float = 1.0, client_gpus: float = 0.0,
-                             logging_level: str = "ERROR") -> Path:
+                             logging_level: str = "ERROR", explicit: set[str] | None = None) -> Path:
     """Run ``run_config`` (a complete, fused run config) on ``num_supernodes`` simulated
-    SuperNodes; return the run folder."""
+    SuperNodes; return the run folder. ``explicit``: the keys the user set (a variant's
+    fixed switch set to anything is then an error, see ``parse_run_config``)."""
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -45,7 +53,7 @@ def run_simulation_inprocess(run_config: dict[str, Any], num_supernodes: int = 3
     from flower_apps.config import parse_run_config, preflight
     from flower_apps.server_app import run
 
-    preflight(parse_run_config(run_config), num_supernodes)  # fail before starting Ray
+    preflight(parse_run_config(run_config, explicit), num_supernodes)  # fail before starting Ray
     # Ray workers import the ClientApp: make this checkout importable for them
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PROJECT_DIR), os.environ.get("PYTHONPATH", "")) if p)
@@ -54,7 +62,7 @@ def run_simulation_inprocess(run_config: dict[str, Any], num_supernodes: int = 3
 
     @server.main()
     def _main(grid, context):  # noqa: ANN001
-        out["folder"] = run(grid, run_config)
+        out["folder"] = run(grid, run_config, explicit=explicit)
 
     run_simulation(server_app=server, client_app=client_app, num_supernodes=num_supernodes,
                    backend_config={"client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
@@ -77,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = fused_run_config(args.run_config)
-        folder = run_simulation_inprocess(cfg, args.num_supernodes, args.client_cpus, args.client_gpus)
+        folder = run_simulation_inprocess(cfg, args.num_supernodes, args.client_cpus, args.client_gpus,
+                                          explicit=override_keys(args.run_config))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

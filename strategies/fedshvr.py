@@ -431,7 +431,7 @@ ALGORITHMS = {
     "fed-pseudo": _spec("fed-pseudo", "FedAvg + hard pseudo-labels (baseline)", alpha1=0.0, alpha2=0.0,
                         correction=False, normalized_averaging=False),
     "fed-mt": _spec("fed-mt", "FedAvg + mean-teacher consistency (baseline)", unsup_loss="mean-teacher",
-                    alpha2=0.0, correction=False, normalized_averaging=False, augment="weak"),
+                    alpha2=0.0, correction=False, normalized_averaging=False),
     "fed-sl": _spec("fed-sl", "supervised FedAvg on the clients' labeled data only (baseline)",
                     unsup_loss="none", alpha2=0.0, correction=False, normalized_averaging=False),
     "fedshvr-no-r1": _spec("fedshvr-no-r1", "ablation: alpha1 = 0 (hard pseudo-labels)", alpha1=0.0),

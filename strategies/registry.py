@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from flwr.app import Context, Message
 
-from tasks.config import ConfigError, parse_dataclass
+from tasks.config import ConfigError, key_of, parse_dataclass
 
 ClientHandler = Callable[[Message, Context], Message]
 
@@ -66,14 +67,41 @@ class AlgorithmSpec:
         return node_state.handle(handler, msg, context, self.node_state,
                                  persist=op not in INFO_OPS + EVAL_OPS)
 
-    def parse_config(self, flat: dict[str, Any]):
-        """The algorithm config from run-config keys under ``namespace``, variant switches applied."""
+    def parse_config(self, flat: dict[str, Any], explicit: Iterable[str] | None = None):
+        """The algorithm config from run-config keys under ``namespace``, variant switches applied.
+
+        A key the user set that contradicts one of the variant's fixed switches is a
+        :class:`ConfigError` naming both (``algo='fed-pseudo' fedshvr.correction=true``).
+        A key counts as set by the user when it is in ``explicit`` (the run's override
+        keys, e.g. ``grid.run.override_config``) or, whatever ``explicit`` says, when its
+        value differs from the key's default.
+        """
         if self.config_cls is None:
             return None
         cfg = parse_dataclass(self.config_cls, flat, self.namespace)
         if self.overrides:
+            given = set(explicit or ())
+            default = self.config_cls()
+            for name, fixed in self.overrides.items():
+                key = key_of(name, self.namespace)
+                value = getattr(cfg, name)
+                user_set = key in given or (key in flat and value != getattr(default, name))
+                if user_set and value != fixed:
+                    other = [n for n in algorithm_names() if n != self.name and _MODULES[n] == _MODULES[self.name]
+                             and get_algorithm(n).overrides.get(name, value) == value]
+                    hint = f", or choose algo {' / '.join(repr(n) for n in other)}" if other else ""
+                    raise ConfigError(
+                        f"{key}={_show(value)} contradicts algo={self.name!r}, which fixes "
+                        f"{key}={_show(fixed)} ({self.description or 'a variant'}): drop the key{hint}")
             cfg = dataclasses.replace(cfg, **self.overrides)
         return cfg
+
+
+def _show(v: Any) -> str:
+    """A value as the user writes it in ``--run-config`` (true, 'text', 1.5)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v)
 
 
 def algorithm_names() -> list[str]:

@@ -19,10 +19,12 @@ A. K_s^h supervised steps on the PS, each on a labeled batch (x, y) of
    e = w_c(x), l_s = H_s + T with H_s = CE(w_s(e), y) and the supervised contrastive loss
    T_j = -(1/|P(j)|) sum_{p in P(j)} log[exp(z_j.z_p/kappa) / sum_{a in A(j)} exp(z_j.z_a/kappa)],
    z = normalize(w_p(e)); references A(j) = batch minus j plus the queue Q [R]; P(j) = same
-   label (``supcon-queue-positives``: all queue entries, or only confident ones); one SGD
-   step on (w_c, w_s, w_p); then the whole teacher w~ <- gamma w~ + (1-gamma) w; then the
-   teacher projections of a weak view of the batch, with the true labels, go into queue
-   level 1 (confidence 1).
+   label (``supcon-queue-positives``: by default only confident queue entries, c > tau,
+   level 1 always; ``all`` = the literal Eq. 3, which lets the unconfident level-2 entries
+   be positives); one SGD step on (w_c, w_s, w_p); then the whole teacher
+   w~ <- gamma w~ + (1-gamma) w; then, whenever a loss reads the queue (C on, or T with
+   queue references), the teacher projections of a weak view of the batch, with the true
+   labels, go into queue level 1 (confidence 1).
 B. The PS sends w_c and w~_c to every sampled client.
 C. K_u fused cross-entity iterations. Client i sends the student features
    e_i = w_{c,i}(a_s(x)) and the teacher features e~_i = w~_{c,i}(a_w(x)) (no grad) of the
@@ -32,8 +34,8 @@ C. K_u fused cross-entity iterations. Client i sends the student features
    l_u = H_u + C with
    H_u = (1/d_i) sum_j 1[c_j > tau] CE(w_s(e_j), yhat_j)                        (Eq. 1)
    C_j = -(1/|P^(j)|) sum_{p in P^(j)} log[exp(z_j.z~_p/kappa) / sum_{a in Q} exp(z_j.z~_a/kappa)]
-   with P^(j) = {p in Q: c_p > tau, yhat_p = yhat_j}, z_j = w_p(e_j), over ALL samples j
-   (those with empty P^(j) skipped [R]).                                          (Eq. 5)
+   with P^(j) = {p in Q: c_p > tau, yhat_p = yhat_j}, z_j = w_p(e_j), over ALL samples j;
+   C = (1/d_i) sum_j C_j, those with empty P^(j) contributing 0 [R].             (Eq. 5)
    Gradient routing: H_u reaches w_s and e_i, C reaches w_p and e_i, so C never updates
    w_s. Client i gets de_i = d l_u / d e_i (its own, unscaled). The PS then takes ONE step
    on (w_s, w_p) with the gradients averaged over the clients of the barrier (Eq. 7) and
@@ -137,8 +139,9 @@ class SemiSFLConfig:
     supcon: bool = knob(True, help="add the supervised contrastive loss T to l_s")
     supcon_references: str = knob("batch+queue", choices=("batch+queue", "batch"),
                                   help="references A(j) of T")
-    supcon_queue_positives: str = knob("all", choices=("all", "confident"),
-                                       help="queue entries that may be positives of T")
+    supcon_queue_positives: str = knob("confident", choices=("confident", "all"),
+                                       help="queue entries that may be positives of T: confident (c > tau; "
+                                            "level 1 always) or all (the literal Eq. 3)")
     labeled_view: str = knob("strong", choices=("strong", "weak"), help="view for H_s and T")
     enqueue_before_loss: bool = knob(True, help="enqueue the barrier's teacher features before C")
     ema_top_in_cross: bool = knob(True, help="EMA w~_s, w~_p after every cross-entity step")
@@ -334,6 +337,13 @@ class SemiSFLServer:
         self.teacher.eval()
         return self.t_bottom(x_norm)
 
+    @property
+    def fills_level1(self) -> bool:
+        """Queue level 1 (labeled teacher projections) is filled whenever a loss reads the
+        queue: C (its confident positives include level 1) or T with queue references."""
+        cfg = self.cfg
+        return cfg.clustering or (cfg.supcon and cfg.supcon_references == "batch+queue")
+
     # ------------------------------------------------------------------ stage A
     def supervised_stage(self, rnd: int, steps: int | None = None) -> dict[str, float]:
         """K_s steps of l_s = H_s (+ T) on the labeled set; EMA teacher and queue level 1 per step."""
@@ -363,7 +373,7 @@ class SemiSFLServer:
             loss.backward()
             self.opt_sup.step()
             self._ema_all()
-            if cfg.supcon and cfg.supcon_references == "batch+queue":
+            if self.fills_level1:
                 with torch.no_grad():
                     self.t_proj.eval()
                     zt = self.t_proj(self.teacher_features_of_images(self.aug.weak(x)))

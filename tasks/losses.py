@@ -261,6 +261,7 @@ def supcon_loss(
     batch_as_reference: bool = True,
     normalize: bool = True,
     return_mask: bool = False,
+    reduction: str = "positives",
 ):
     """Supervised contrastive loss with a constant reference memory.
 
@@ -280,9 +281,12 @@ def supcon_loss(
     includes every memory entry, eligible or not), and
     ``P(j) = {p in A(j): y_p = y_j and p eligible}``.
 
-    Anchors with an empty ``P(j)`` are skipped [R]; the loss is the mean over the
-    anchors that have at least one positive, and zero (still attached to the
-    graph, with zero gradient) when none has.
+    Anchors with an empty ``P(j)`` are skipped [R]. ``reduction`` says what the sum of
+    the kept ``L_j`` is divided by: ``"positives"`` (default; SupCon, Semi-SFL's T) the
+    number of anchors that have at least one positive, ``"batch"`` (Semi-SFL's C, spec
+    §3 "skip j when P^(j) is empty, and average over the batch") all ``N`` anchors. The
+    loss is zero (still attached to the graph, with zero gradient) when no anchor has a
+    positive.
 
     Normalisation: with ``normalize=True`` (default) anchors and references are
     L2-normalised here, so callers may pass raw projections; doing it twice is
@@ -298,6 +302,8 @@ def supcon_loss(
     """
     if z_anchor.ndim != 2:
         raise ValueError(f"z_anchor must be [N, d], got {tuple(z_anchor.shape)}")
+    if reduction not in ("positives", "batch"):
+        raise ValueError(f"reduction={reduction!r} is not one of: positives, batch")
     if kappa <= 0:
         raise ValueError(f"kappa must be > 0, got {kappa}")
     device = z_anchor.device
@@ -357,7 +363,8 @@ def supcon_loss(
     log_prob = sim - torch.logsumexp(sim, dim=1, keepdim=True)
     pos = positive[rows]
     pos_log_prob = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(dim=1)
-    loss = (-pos_log_prob / n_pos[rows].to(log_prob.dtype)).mean()
+    per_anchor = -pos_log_prob / n_pos[rows].to(log_prob.dtype)
+    loss = per_anchor.mean() if reduction == "positives" else per_anchor.sum() / n
     return (loss, has_positive) if return_mask else loss
 
 
@@ -398,6 +405,7 @@ def clustering_regularization(
     tau: float,
     kappa: float = 0.07,
     normalize: bool = True,
+    reduction: str = "batch",
 ) -> Tensor:
     """Semi-SFL clustering regularisation C (semisfl.md §3, Eq. 5).
 
@@ -408,8 +416,12 @@ def clustering_regularization(
         C_j = -(1/|P^(j)|) sum_{p in P^(j)} log[ exp(z_j.z~_p/kappa) / sum_{a in Q} exp(z_j.z~_a/kappa) ]
 
     The denominator runs over the whole queue Q; the current batch is not a
-    reference. [R] Samples with empty P^(j) are skipped, and the result is the
-    mean over the rest. Gradients reach ``z`` only (the queue is constant).
+    reference. [R] Samples with empty P^(j) contribute nothing and the sum is
+    divided by the batch size ``N`` (``reduction="batch"``, spec §3: "skip j when
+    P^(j) is empty, and average over the batch"); ``reduction="positives"`` divides by
+    the number of anchors with a positive instead (this library's behaviour before
+    2026-11-23: 64/13 = 4.9x the paper's scale when 13 of 64 anchors have a positive).
+    Gradients reach ``z`` only (the queue is constant).
     """
     return supcon_loss(
         z,
@@ -420,6 +432,7 @@ def clustering_regularization(
         kappa=kappa,
         batch_as_reference=False,
         normalize=normalize,
+        reduction=reduction,
     )
 
 

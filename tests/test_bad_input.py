@@ -307,3 +307,60 @@ def test_drop_warning_names_the_real_exception_of_a_simulated_clientapp():
     # a deployment reply: "<class 'T'>:<'message'>"
     assert describe_error("<class 'ZeroDivisionError'>:<'division by zero'>") == "ZeroDivisionError: division by zero"
     assert describe_error("something else entirely") == "something else entirely"
+
+
+# ----------------------------------------------------------------------------- variant switches
+def _conflicts() -> list:
+    """(algo, run-config key, a value other than the one the variant fixes) for every fixed
+    switch of every registered variant."""
+    from tasks.config import key_of
+
+    out = []
+    for name in algorithm_names():
+        spec = get_algorithm(name)
+        for field_name, fixed in sorted(spec.overrides.items()):
+            key = key_of(field_name, spec.namespace)
+            _, meta = KEYS[key]
+            if isinstance(fixed, bool):
+                other = not fixed
+            elif isinstance(fixed, str):
+                other = next(c for c in meta["choices"] if c != fixed)
+            else:
+                other = fixed + 0.5 if isinstance(fixed, float) else fixed + 1
+            out.append(pytest.param(name, key, fixed, other, id=f"{name}-{key}"))
+    return out
+
+
+@pytest.mark.parametrize("algo, key, fixed, other", _conflicts())
+def test_variant_switch_contradicted_by_a_user_key_names_both(algo, key, fixed, other):
+    """A key the user set that contradicts a variant's fixed switch is an error naming the key,
+    the algo and the fixed value, also when the user's value is the key's default (the
+    override keys tell what the user set); the variant's own value is accepted."""
+    cfg = {**DEFAULTS, "algo": algo, key: other}
+    with pytest.raises(ConfigError) as e:
+        parse_run_config(cfg, explicit={"algo", key})
+    msg = str(e.value)
+    assert key in msg and f"algo={algo!r}" in msg and "contradicts" in msg, msg
+    parse_run_config({**DEFAULTS, "algo": algo, key: fixed}, explicit={"algo", key})  # agreeing: fine
+    parse_run_config({**DEFAULTS, "algo": algo}, explicit={"algo"})  # not set: the variant's value
+
+
+def test_variant_conflict_reported_by_the_serverapp_from_the_runs_override_keys(tmp_path):
+    """``algo='fed-pseudo' fedshvr.correction=true``: true is the key's default, so only the
+    run's override config (``grid.run.override_config``) shows the user set it."""
+    from types import SimpleNamespace
+
+    from flower_apps.server_app import run
+
+    grid = CountingGrid(3)
+    grid.run = SimpleNamespace(override_config={"algo": "fed-pseudo", "fedshvr.correction": True})
+    cfg = {**DEFAULTS, "algo": "fed-pseudo", "results-dir": str(tmp_path), "run-name": "bad"}
+    assert cfg["fedshvr.correction"] is True  # the default
+    with pytest.raises(ConfigError, match=r"fedshvr.correction=true contradicts algo='fed-pseudo', which fixes "
+                                          r"fedshvr.correction=false .*choose algo 'fedshvr'"):
+        run(grid, cfg)
+    assert grid.pushed == 0
+    grid.run = SimpleNamespace(override_config={"algo": "fed-pseudo"})
+    with pytest.raises(Exception) as e:  # no conflict: the run gets past the config (to this fake grid)
+        run(grid, {**cfg, "run-name": "ok"})
+    assert not isinstance(e.value, ConfigError), e.value

@@ -213,8 +213,9 @@ def test_logit_adjusted_ce_per_row_prior():
 # ---------------------------------------------------------------------------
 # supervised contrastive loss
 # ---------------------------------------------------------------------------
-def _supcon_double_loop(za, ya, zq, yq, elig_q, kappa, batch_ref):
-    """Direct transcription of semisfl.md §3 Eq. 3 / Eq. 5 with explicit loops."""
+def _supcon_double_loop(za, ya, zq, yq, elig_q, kappa, batch_ref, over_batch=False):
+    """Direct transcription of semisfl.md §3 Eq. 3 / Eq. 5 with explicit loops
+    (``over_batch``: the sum of the kept L_j divided by the batch size, Eq. 5's C)."""
     za = F.normalize(za, dim=1)
     zq = F.normalize(zq.detach(), dim=1) if zq is not None else None
     refs = []  # (vector, label, eligible, batch index or None)
@@ -235,7 +236,7 @@ def _supcon_double_loop(za, ya, zq, yq, elig_q, kappa, batch_ref):
         losses.append(lj)
     if not losses:
         return za.sum() * 0
-    return sum(losses) / len(losses)
+    return sum(losses) / (za.shape[0] if over_batch else len(losses))
 
 
 def test_supcon_T_matches_double_loop_including_gradients():
@@ -278,10 +279,15 @@ def test_clustering_regularization_matches_double_loop():
     ref = _supcon_double_loop(za, yhat, zq, yq, conf > tau, 0.07, False)
     assert has_pos.tolist() == [True, True, False, True, True]
     assert got.item() == pytest.approx(ref.item(), rel=1e-10)
+    # C is divided by the batch (spec §3 "skip j when P^(j) is empty, and average over the batch")
+    ref_c = _supcon_double_loop(za, yhat, zq, yq, conf > tau, 0.07, False, over_batch=True)
     wrap = clustering_regularization(za, yhat, zq, yq, conf, tau=tau)
-    assert wrap.item() == pytest.approx(ref.item(), rel=1e-10)
+    assert wrap.item() == pytest.approx(ref_c.item(), rel=1e-10)
+    assert wrap.item() == pytest.approx(ref.item() * 4 / 5, rel=1e-10)  # 4 of 5 anchors have a positive
+    old = clustering_regularization(za, yhat, zq, yq, conf, tau=tau, reduction="positives")
+    assert old.item() == pytest.approx(ref.item(), rel=1e-10)
     g1 = torch.autograd.grad(wrap, za)[0]
-    g2 = torch.autograd.grad(ref, za)[0]
+    g2 = torch.autograd.grad(ref_c, za)[0]
     assert torch.allclose(g1, g2, atol=1e-10)
     assert torch.all(g1[2] == 0)
     # dropping the denominator-only entries changes the value (they do count)

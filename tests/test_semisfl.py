@@ -57,21 +57,23 @@ def direct_c(z, yhat, qz, qy, qc, tau, kappa):
             continue  # [R] skipped
         denom = sum(torch.exp(z[j] @ qz[a] / kappa) for a in range(len(qz)))
         losses.append(-sum(torch.log(torch.exp(z[j] @ qz[p] / kappa) / denom) for p in pos) / len(pos))
-    return sum(losses) / len(losses) if losses else z.sum() * 0
+    return sum(losses) / len(z) if losses else z.sum() * 0  # the batch mean (spec §3)
 
 
-def direct_t(z, y, qz, qy, kappa):
-    """Eq. 3 with references = batch minus j plus queue, P(j) = same label."""
+def direct_t(z, y, qz, qy, kappa, qc=None, tau=None):
+    """Eq. 3 with references = batch minus j plus queue, P(j) = same label (queue entries
+    only with c > tau when ``tau`` is given: ``supcon-queue-positives='confident'``)."""
     z = F.normalize(z, dim=1)
-    refs = [(z[i], int(y[i]), i) for i in range(len(z))] + [(F.normalize(qz[i], dim=0), int(qy[i]), None)
-                                                            for i in range(len(qz))]
+    ok = [True] * len(qz) if tau is None else [bool(qc[i] > tau) for i in range(len(qz))]
+    refs = [(z[i], int(y[i]), i, True) for i in range(len(z))] + [
+        (F.normalize(qz[i], dim=0), int(qy[i]), None, ok[i]) for i in range(len(qz))]
     losses = []
     for j in range(len(z)):
-        a_set = [(r, ly) for r, ly, i in refs if i != j]
-        pos = [r for r, ly in a_set if ly == int(y[j])]
+        a_set = [(r, ly, e) for r, ly, i, e in refs if i != j]
+        pos = [r for r, ly, e in a_set if ly == int(y[j]) and e]
         if not pos:
             continue
-        denom = sum(torch.exp(z[j] @ r / kappa) for r, _ in a_set)
+        denom = sum(torch.exp(z[j] @ r / kappa) for r, _, _ in a_set)
         losses.append(-sum(torch.log(torch.exp(z[j] @ p / kappa) / denom) for p in pos) / len(pos))
     return sum(losses) / len(losses)
 
@@ -169,23 +171,34 @@ def test_teacher_top_is_ema_of_student_top_after_cross_step():
 def test_supervised_step_loss_is_ce_plus_T_with_queue_and_fills_level1():
     s = make_server(labeled_batch_size=6)
     prefill_queue(s)
-    qz, qy, _ = s.queue.tensors()
+    qz, qy, qc = s.queue.tensors()
+    assert (qc <= 0.6).any()  # unconfident level-2 entries exist: they must not be positives of T
     x = torch.from_numpy(s.labeled.x).float() / 255
     y = torch.from_numpy(s.labeled.y)
     with torch.no_grad():
         e = s.bottom(x)
-        expected = F.cross_entropy(s.top(e), y) + direct_t(s.proj(e), y, qz, qy, 0.5)
+        expected = F.cross_entropy(s.top(e), y) + direct_t(s.proj(e), y, qz, qy, 0.5, qc, 0.6)
+        literal = F.cross_entropy(s.top(e), y) + direct_t(s.proj(e), y, qz, qy, 0.5)
+    assert float(expected) != pytest.approx(float(literal), rel=1e-4)  # the two rules differ here
     t0 = [p.detach().clone() for p in s.teacher.parameters()]
     m = s.supervised_stage(1, steps=1)
     assert m["sup-loss"] == pytest.approx(float(expected), rel=1e-5)
     for t, t_old, p in zip(s.teacher.parameters(), t0, s.model.parameters()):
         assert torch.allclose(t, 0.99 * t_old + 0.01 * p, atol=1e-7)  # EMA of the whole teacher per step
     assert s.queue.level_sizes()[0] == 8  # 4 + 6 labeled rows, capacity 8
+    s_all = make_server(labeled_batch_size=6, supcon_queue_positives="all")
+    prefill_queue(s_all)
+    assert s_all.supervised_stage(1, steps=1)["sup-loss"] == pytest.approx(float(literal), rel=1e-5)
+    # without T, level 1 still fills for C (its confident positives include level 1) ...
     s2 = make_server(labeled_batch_size=6, supcon=False)
     with torch.no_grad():
         ce = F.cross_entropy(s2.model(x), y)
     assert s2.supervised_stage(1, steps=1)["sup-loss"] == pytest.approx(float(ce), rel=1e-5)
-    assert s2.queue.level_sizes() == (0, 0)
+    assert s2.queue.level_sizes() == (6, 0)
+    # ... and stays empty when no loss reads the queue
+    s3 = make_server(labeled_batch_size=6, supcon=False, clustering=False)
+    s3.supervised_stage(1, steps=1)
+    assert s3.queue.level_sizes() == (0, 0)
 
 
 # ----------------------------------------------------------------------------- K_s rule
