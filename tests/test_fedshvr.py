@@ -226,3 +226,34 @@ def test_baselines_run_and_switch_what_they_should(task_identity, algo):
         assert 0.0 <= rows[-1]["pl-acc"] <= 1.0 and rows[-1]["unsup-loss"] > 0
     if algo == "fed-pseudo":
         assert rows[-1]["pl-confidence"] == pytest.approx(1.0) and rows[-1]["r2-loss"] == 0.0
+
+
+def test_fed_mt_uses_the_augment_key_like_every_variant():
+    """Spec §7: no augmentation on MNIST. Fed-MT used to force the weak view on its labeled and
+    unlabeled inputs (about -10 points); it now follows ``fedshvr.augment`` (default 'none')."""
+    flat = {"fedshvr.augment": "none"}
+    assert get_algorithm("fed-mt").parse_config(flat).augment == "none"
+    assert get_algorithm("fed-mt").parse_config({"fedshvr.augment": "weak"}).augment == "weak"
+    assert "augment" not in get_algorithm("fed-mt").overrides
+    calls = []
+
+    class Aug:
+        def test(self, x):
+            calls.append("test")
+            return x.float() / 255
+
+        def weak(self, x):
+            calls.append("weak")
+            return x.float() / 255
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    from tasks.data import ArrayDataset
+
+    rng = np.random.default_rng(0)
+    lab = ArrayDataset(rng.integers(0, 256, (4, 1, 2, 2), dtype=np.uint8), np.array([0, 1, 2, 0]))
+    unl = ArrayDataset(rng.integers(0, 256, (6, 1, 2, 2), dtype=np.uint8), np.zeros(6, dtype=np.int64))
+    cfg = get_algorithm("fed-mt").parse_config({})
+    task = TaskConfig(batch_size=2)
+    fs.local_train(model, lab, unl, None, cfg=cfg, task=task, aug=Aug(), steps=2, alpha0=1.0, d=None,
+                   device=torch.device("cpu"), seed=0)
+    assert calls and set(calls) == {"test"}
