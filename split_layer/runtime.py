@@ -6,23 +6,32 @@ One round (``run_round``), for ``I = local_iterations()``:
    ``split-info`` query (partition id, ``|D_k|``, label histogram ``n_k``), cached in
    ``self.info`` (and in checkpoints);
 2. ``begin_round(rnd, nodes)`` (algorithm: batch shares, priors, server copies...);
-3. message 1 per node: the ``bottom`` weights + ``begin_extras(node)`` arrays +
-   ``begin_config(node)`` (e.g. ``split-batch``); the reply carries the streams of step 1;
-4. for ``i = 1..I``: validate every survivor's streams against ``stream_specs(node)``
-   (a bad payload drops that node, nothing is applied), call
-   ``server_iteration(i, {node: streams})`` **once with all survivors** (a barrier) and
-   send each node its gradients in the message that also asks for step ``i+1`` (the last
-   one asks for the final weights instead): ``I + 1`` exchanges per round in total. The
-   payloads reach ``server_iteration`` on the server's device (``env.device``: moved here,
-   once, for every algorithm), and the gradients it returns may live on any device;
-5. ``aggregate(rnd, {node: final envelope})`` (default: ``|D_k|``-weighted mean of the
-   bottoms, BatchNorm buffers included).
+3. ``visit_groups(rnd, nodes)`` splits the nodes into groups that visit the server part
+   **one group after another** (default: one group of all nodes, the barrier; SplitFedV2:
+   each node alone, in a seeded random order). Each group runs steps 3a-3b on its own, and
+   every group starts from the same bottom, the global one of the round's start:
+
+   a. message 1 per node of the group: the ``bottom`` weights + ``begin_extras(node)``
+      arrays + ``begin_config(node)`` (e.g. ``split-batch``); the reply carries the
+      streams of step 1;
+   b. for ``i = 1..I``: validate every survivor's streams against ``stream_specs(node)``
+      (a bad payload drops that node, nothing is applied), call
+      ``server_iteration(i, {node: streams})`` **once with all of the group's survivors**
+      (a barrier within the group) and send each node its gradients in the message that
+      also asks for step ``i+1`` (the last one asks for the final weights instead):
+      ``I + 1`` exchanges per group. The payloads reach ``server_iteration`` on the
+      server's device (``env.device``: moved here, once, for every algorithm), and the
+      gradients it returns may live on any device;
+4. ``aggregate(rnd, {node: final envelope})`` once, over the finals of all groups
+   (default: ``|D_k|``-weighted mean of the bottoms, BatchNorm buffers included).
 
 Faults: a node whose reply is an error, is missing at the timeout (``round-timeout``
 applies to each exchange), or whose payload fails validation is dropped from the rest of
 the round with a logged warning and listed in the round's ``dropped`` metric; the others
-continue. If fewer than ``min-nodes`` remain, the round is skipped cleanly: the server
-part is restored to its state at the start of the round and nothing is aggregated.
+continue (a group whose nodes all failed ends early; the next group still runs). If fewer
+than ``min-nodes`` nodes can still finish (finished ones + survivors of the current group +
+nodes of the groups not yet started), the round is skipped cleanly: the server part is
+restored to its state at the start of the round and nothing is aggregated.
 
 Byte accounting (raw tensor bytes, ``numel * itemsize``; no framing): ``bytes.weights.down``
 / ``.up`` for the bottoms, ``bytes.<extra_kind(name)>.<dir>`` for extras, and per stream
@@ -30,12 +39,15 @@ Byte accounting (raw tensor bytes, ``numel * itemsize``; no framing): ``bytes.we
 ``labels``, ``activations`` for other uploads and ``gradients`` for downloads;
 ``bytes.histogram.up`` for the one-time label histograms. Timing: ``split-exchanges`` and
 ``split-exchange-seconds`` (wall time spent in the fused exchanges, client compute included),
-and ``split-inner-exchanges``/``-seconds`` for steps 2..I only (neither the round's first
-exchange, which carries the bottom, nor the last, which returns it).
+and ``split-inner-exchanges``/``-seconds`` for steps 2..I only (neither a group's first
+exchange, which carries the bottom, nor its last, which returns it); all summed over the
+groups. Bytes do not depend on the grouping (each node gets the bottom once and sends it
+back once).
 
 The transport is :class:`split_layer.transport.FlowerTransport`, or
 :class:`split_layer.stream.StreamTransport` with ``split-transport='stream'`` (or whatever an
-overridden ``make_transport`` returns): algorithms never touch the grid.
+overridden ``make_transport`` returns): algorithms never touch the grid. Over the stream,
+each group has its own stream session (its message 1 starts one, its final replies end it).
 """
 from __future__ import annotations
 
@@ -68,9 +80,9 @@ def nbytes(d: dict[str, np.ndarray]) -> int:
 class SplitStrategy(SSLStrategy):
     """Algorithm-free split-learning round over a :class:`Transport` (see module docstring).
 
-    Subclasses override the hooks: ``local_iterations``, ``begin_round``, ``begin_config``,
-    ``begin_extras``, ``stream_specs``, ``server_iteration``, ``aggregate``, and for the
-    server part's rollback ``server_snapshot``/``server_restore``.
+    Subclasses override the hooks: ``local_iterations``, ``begin_round``, ``visit_groups``,
+    ``begin_config``, ``begin_extras``, ``stream_specs``, ``server_iteration``, ``aggregate``,
+    and for the server part's rollback ``server_snapshot``/``server_restore``.
     """
 
     def setup_algorithm(self) -> None:
@@ -106,6 +118,16 @@ class SplitStrategy(SSLStrategy):
 
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
         self.round_batch = {n: self.task.batch_size for n in nodes}
+
+    def visit_groups(self, server_round: int, nodes: list[int]) -> list[list[int]]:
+        """The groups in which ``nodes`` visit the server part, one group after another.
+
+        Each group gets its own message 1 (the round's starting bottom), steps ``1..I + 1``
+        and final replies; ``server_iteration`` sees one group's survivors per call. Must
+        split ``nodes`` into disjoint groups (every node exactly once). Default: one group
+        of all nodes (every step is a barrier over all of them).
+        """
+        return [list(nodes)]
 
     def begin_config(self, node: int) -> dict[str, Any]:
         return {"split-batch": int(self.round_batch[node])}
@@ -200,7 +222,43 @@ class SplitStrategy(SSLStrategy):
         snap = self.server_snapshot()
         self.begin_round(server_round, alive)
         iters = self.local_iterations()
-        bottom = self.bottom_numpy()
+        bottom = self.bottom_numpy()  # every group starts from the round's global bottom
+        groups = [list(g) for g in self.visit_groups(server_round, list(alive))]
+        flat = [n for g in groups for n in g]
+        if len(flat) != len(set(flat)) or set(flat) != set(alive):
+            raise ValueError(f"visit_groups must split the round's nodes {alive} into disjoint groups, "
+                             f"got {groups}")
+        finals: dict[int, Envelope] = {}
+        for gi, group in enumerate(groups):
+            later = [n for g in groups[gi + 1:] for n in g]
+            got, usable = self._run_group(server_round, transport, group, bottom, iters, out,
+                                          list(finals) + later)
+            if got is None:
+                return self._skip(server_round, out, usable, snap)
+            finals.update(got)
+        for n, env in finals.items():
+            self.meter.add("weights", "up", nbytes(env.arrays["bottom"]))
+            for name, sd in env.arrays.items():
+                if name != "bottom":
+                    self.meter.add(self.extra_kind(name), "up", nbytes(sd))
+        out["participants"] = len(finals)
+        ex = [float(f.metrics.get("num-examples", 0.0)) for f in finals.values()]
+        out["num-examples"] = float(sum(ex))
+        out.update(self.aggregate(server_round, finals))
+        return out
+
+    def _run_group(self, server_round: int, transport: Transport, group: list[int],
+                   bottom: dict[str, np.ndarray], iters: int, out: dict[str, Any], others: list[int]
+                   ) -> tuple[dict[int, Envelope] | None, list[int]]:
+        """One group's visit: message 1, steps ``1..I``, the final replies.
+
+        Returns ``(finals of the group, [])``, or ``(None, usable nodes)`` when the group's
+        survivors plus ``others`` (nodes finished in earlier groups or waiting in later ones)
+        are fewer than ``min-nodes``: the round must be skipped.
+        """
+        alive = list(group)
+        if not alive:
+            return {}, []
         msgs: dict[int, Envelope] = {}
         for n in alive:
             extras = self.begin_extras(n)
@@ -209,14 +267,13 @@ class SplitStrategy(SSLStrategy):
             self.meter.add("weights", "down", nbytes(bottom))
             for name, sd in extras.items():
                 self.meter.add(self.extra_kind(name), "down", nbytes(sd))
-        finals: dict[int, Envelope] = {}
         for step in range(1, iters + 2):
             t0 = time.perf_counter()
             replies = transport.exchange(server_round, "split", msgs)
             out["split-exchanges"] = out.get("split-exchanges", 0) + 1
             dt = time.perf_counter() - t0
             out["split-exchange-seconds"] = out.get("split-exchange-seconds", 0.0) + dt
-            if 1 < step <= iters:  # the exchanges inside the round (no round start or end)
+            if 1 < step <= iters:  # the exchanges inside the group's visit (no start or end)
                 out["split-inner-exchanges"] = out.get("split-inner-exchanges", 0) + 1
                 out["split-inner-exchange-seconds"] = out.get("split-inner-exchange-seconds", 0.0) + dt
             good: dict[int, Envelope] = {}
@@ -230,7 +287,7 @@ class SplitStrategy(SSLStrategy):
                     elif "bottom" not in env.arrays:
                         raise SplitValidationError(f"node {n}: final reply has no 'bottom' weights")
                     else:
-                        ref = self.bottom_numpy()  # 0-d buffers travel as shape (1,): restore shapes
+                        ref = bottom  # 0-d buffers travel as shape (1,): restore shapes
                         env.arrays["bottom"] = {
                             k: (np.reshape(v, ref[k].shape) if k in ref and np.size(v) == np.size(ref[k]) else v)
                             for k, v in env.arrays["bottom"].items()}
@@ -241,11 +298,12 @@ class SplitStrategy(SSLStrategy):
                     continue
                 good[n] = env
             alive = [n for n in alive if n in good]
-            if len(alive) < self.policy.min_nodes:
-                return self._skip(server_round, out, alive, snap)
+            if len(alive) + len(others) < self.policy.min_nodes:
+                return None, alive + list(others)
             if step > iters:
-                finals = good
-                break
+                return good, []
+            if not alive:
+                return {}, []  # every node of the group failed: the group ends early
             payloads = {}
             dev = self.env.device  # the server part's device: the one place payloads are moved there
             for n in alive:
@@ -259,16 +317,7 @@ class SplitStrategy(SSLStrategy):
                 for k, v in g.items():
                     self.meter.add(self.stream_kind(k, "down"), "down", v.nbytes)
                 msgs[n] = Envelope(tensors=g, config={"split-step": step + 1, "split-iters": iters})
-        for n, env in finals.items():
-            self.meter.add("weights", "up", nbytes(env.arrays["bottom"]))
-            for name, sd in env.arrays.items():
-                if name != "bottom":
-                    self.meter.add(self.extra_kind(name), "up", nbytes(sd))
-        out["participants"] = len(finals)
-        ex = [float(f.metrics.get("num-examples", 0.0)) for f in finals.values()]
-        out["num-examples"] = float(sum(ex))
-        out.update(self.aggregate(server_round, finals))
-        return out
+        return {}, []  # not reached: the loop returns at step I + 1
 
     def _skip(self, server_round: int, out: dict[str, Any], alive: list[int], snap: Any) -> dict[str, Any]:
         if snap is not None:

@@ -19,8 +19,12 @@ server part w_s (top). Global iteration t, sampled clients C^t (``fraction-train
   - ``per-client`` (SplitFedV1, LLA-SFL): one copy of w_s per client, each steps on its own
     client's loss L_k (with P_k) and G_k comes from the same loss; the copies are
     |D_k|-averaged at the end of the round;
-  - ``sequential`` (SplitFedV2): one shared w_s visits the clients in partition order,
-    each visit = forward on A_k, G_k and one SGD step on L_k;
+  - ``sequential`` (SplitFedV2): one shared w_s; the sampled clients, in a seeded random
+    order (``derive_seed(seed, "splitfed-v2-order", t)``, a new permutation every round),
+    each run all I iterations against it in turn, starting from the same w_c (the runtime's
+    :meth:`~split_layer.runtime.SplitStrategy.visit_groups`: one client per group); each
+    iteration = forward on A_k, G_k and one SGD step of w_s on L_k; the bottoms are then
+    |D_k|-averaged;
 
   with ``g_bal(y, s; P) = CE(s + log P, y)`` (:func:`tasks.losses.logit_adjusted_ce`,
   P clamped at 1e-8) when ``scala.logit-adjust`` is on and plain CE otherwise;
@@ -152,6 +156,15 @@ class ScalaStrategy(SplitStrategy):
                 top = copy.deepcopy(self.top)
                 self.copies[n] = (top, make_sgd(top.parameters(), self.task))
 
+    def visit_groups(self, server_round: int, nodes: list[int]) -> list[list[int]]:
+        """SplitFedV2 (``sequential``): every client alone, in a random order per round, seeded
+        by ``(seed, round)`` (the same on a rerun or a resume); the other modes: the barrier."""
+        if self.mode != "sequential":
+            return super().visit_groups(server_round, nodes)
+        nodes = self.order(nodes)  # partition order first: the permutation never depends on node ids
+        rng = np.random.default_rng(derive_seed(self.task.seed, "splitfed-v2-order", server_round))
+        return [[nodes[i]] for i in rng.permutation(len(nodes))]
+
     def server_snapshot(self) -> Any:
         return super().server_snapshot(), copy.deepcopy(self.opt.state_dict())
 
@@ -261,7 +274,8 @@ _VARIANTS = {
     "splitfed-v1": ("SplitFed (Thapa et al. 2022), V1", {"server_mode": "per-client", "logit_adjust": False},
                     "one server copy per client, both halves averaged each round"),
     "splitfed-v2": ("SplitFed (Thapa et al. 2022), V2", {"server_mode": "sequential", "logit_adjust": False},
-                    "one shared server part updated client by client"),
+                    "one shared server part; the clients, in a seeded random order, each train all I "
+                    "iterations in turn"),
 }
 
 ALGORITHMS = {

@@ -16,18 +16,19 @@ from split_layer.transport import TENSORS_KEY, LocalGrid
 from split_layer.validation import SplitValidationError, TensorSpec, check_streams, check_tensor
 from split_layer.worker import step_batch
 from strategies.base import RoundPolicy
+from split_layer.runtime import SplitStrategy
 from strategies.scala import ScalaStrategy
 
 I = 2
 
 
-def _parsed(extra=""):
+def _parsed(extra="", algo="scala"):
     return parse_run_config(fused_run_config([
-        f"algo='scala' model='cnn' norm='bn' scala.local-iterations={I} scala.total-batch=30 seed=5 {extra}"]))
+        f"algo='{algo}' model='cnn' norm='bn' scala.local-iterations={I} scala.total-batch=30 seed=5 {extra}"]))
 
 
-def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None):
-    p = _parsed(extra)
+def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, algo="scala"):
+    p = _parsed(extra, algo)
     grid = LocalGrid(3, handler)
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name,
                                               RoundPolicy(min_nodes=min_nodes, round_timeout=30))
@@ -55,6 +56,50 @@ def test_bytes_equal_analytic_count():
     assert r["bytes.histogram.up"] == 3 * 10 * 8       # one-time label histograms
     assert r["bytes.total"] == sum(want.values()) + r["bytes.histogram.up"]
     assert grid.pushed == 3 + 3 * (I + 1)              # info + (I + 1) fused exchanges per node
+
+
+class _Groups(ScalaStrategy):
+    """Records the nodes of every ``server_iteration`` call."""
+
+    def setup_split(self):
+        super().setup_split()
+        self.calls = []
+
+    def server_iteration(self, step, payloads):
+        self.calls.append((step, sorted(payloads)))
+        return super().server_iteration(step, payloads)
+
+
+def test_default_visit_groups_is_one_barrier_group():
+    s, grid, rows = _run(strategy_cls=_Groups)
+    nodes = sorted(grid.contexts)
+    assert SplitStrategy.visit_groups(s, 1, nodes) == [nodes]
+    assert s.calls == [(step, nodes) for step in range(1, I + 1)]   # every step: all nodes at once
+    assert rows[0]["split-exchanges"] == I + 1 and rows[0]["split-inner-exchanges"] == I - 1
+
+
+def test_groups_in_turn_cost_the_same_bytes_and_messages():
+    """SplitFedV2 (each node its own group): the barrier's bytes and message count, the
+    exchanges (and their timing) summed over the groups."""
+    s, grid, rows = _run(algo="splitfed-v2", strategy_cls=_Groups)
+    r = rows[0]
+    assert r["participants"] == 3 and sum(r["batch-sizes"]) == 30
+    want = analytic_bytes(s, r["batch-sizes"], I)
+    assert {k: r[k] for k in want} == want
+    assert r["bytes.total"] == sum(want.values()) + r["bytes.histogram.up"]
+    assert grid.pushed == 3 + 3 * (I + 1)
+    assert r["split-exchanges"] == 3 * (I + 1) and r["split-inner-exchanges"] == 3 * (I - 1)
+    assert all(len(nodes) == 1 for _, nodes in s.calls) and len(s.calls) == 3 * I
+
+
+class _BadGroups(ScalaStrategy):
+    def visit_groups(self, server_round, nodes):
+        return [nodes[:1], nodes[:2]]
+
+
+def test_visit_groups_must_split_the_nodes():
+    with pytest.raises(ValueError, match="visit_groups"):
+        _run(strategy_cls=_BadGroups)
 
 
 def test_one_of_three_fails_mid_round_and_round_finishes():
