@@ -11,6 +11,10 @@ Table columns: run, algo, the config keys that differ between the runs, final an
 test accuracy (with the round of the best), rounds completed, total bytes exchanged,
 wall time. The figure plots accuracy against round (left) and against cumulative bytes
 (right) for every run.
+
+With ``--by-seed`` runs that differ only in ``seed`` are one experiment: one row each with
+the mean ± sample std over the seeds of the final, best and last-5-round accuracy, and a
+figure of the mean curves with ±1 std bands (``flower_apps.papers`` writes its tables so).
 """
 from __future__ import annotations
 
@@ -139,6 +143,127 @@ def markdown_table(runs: list[Run], metric: str = "accuracy") -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- seeds
+_SEED_KEYS = {"seed"}
+
+
+@dataclass
+class SeedGroup:
+    """Runs whose configs differ only in ``seed`` (and run bookkeeping): one experiment."""
+
+    label: str
+    runs: list[Run]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.runs[0].config
+
+    def stats(self, metric: str = "accuracy", last: int = 5) -> dict[str, Any]:
+        """Mean and sample std (ddof 1; 0 for one seed) over the seeds of: the final value,
+        the best value, and the mean of the last ``last`` rounds."""
+        finals, bests, tails, walls, rounds = [], [], [], [], []
+        for r in self.runs:
+            s = r.series(metric)
+            if not s:
+                continue
+            vals = [v for _, v in s]
+            finals.append(vals[-1])
+            bests.append(max(vals))
+            tails.append(sum(vals[-last:]) / len(vals[-last:]))
+            rounds.append(s[-1][0])
+            w = r.summary(metric)["wall"]
+            if not math.isnan(w):
+                walls.append(w)
+        return {"seeds": [r.config.get("seed") for r in self.runs], "n": len(finals),
+                "final": _mean_std(finals), "best": _mean_std(bests), "last": _mean_std(tails),
+                "rounds": min(rounds) if rounds else 0, "wall": _mean_std(walls)}
+
+    def mean_curve(self, metric: str = "accuracy") -> tuple[list[int], list[float], list[float]]:
+        """Per round (rounds all seeds reached): mean and sample std over the seeds."""
+        per = [dict(r.series(metric)) for r in self.runs]
+        per = [p for p in per if p]
+        if not per:
+            return [], [], []
+        common = sorted(set.intersection(*(set(p) for p in per)))
+        ms = [_mean_std([p[k] for p in per]) for k in common]
+        return common, [m for m, _ in ms], [s for _, s in ms]
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _group_key(run: Run) -> str:
+    cfg = {k: v for k, v in run.config.items() if k not in _IGNORED_KEYS | _SEED_KEYS}
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+def _strip_seed(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_]s(eed)?-?\d+$", "", name)
+
+
+def seed_groups(runs: list[Run]) -> list[SeedGroup]:
+    """Group runs that differ only in their seed, in first-seen order; the label is the run
+    name without a ``-s<seed>`` suffix."""
+    groups: dict[str, SeedGroup] = {}
+    for r in runs:
+        g = groups.setdefault(_group_key(r), SeedGroup(_strip_seed(r.name), []))
+        g.runs.append(r)
+    return list(groups.values())
+
+
+def _pm(ms: tuple[float, float], digits: int = 3) -> str:
+    m, s = ms
+    return "n/a" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5) -> str:
+    """One row per experiment: mean ± std over its seeds (final, best, last-``last`` mean)."""
+    vary = varying_keys([g.runs[0] for g in groups])
+    head = ["row", "algo", *vary, "seeds", f"final {metric}", f"best {metric}", f"last-{last} mean",
+            "rounds", "wall time / run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        st = g.stats(metric, last)
+        wall = "n/a" if math.isnan(st["wall"][0]) else f"{st['wall'][0]:.0f} s"
+        cells = [g.label, str(g.config.get("algo", "?")), *(_fmt(g.config.get(k, "")) for k in vary),
+                 ",".join(str(s) for s in st["seeds"]), _pm(st["final"]), _pm(st["best"]), _pm(st["last"]),
+                 str(st["rounds"]), wall]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy", title: str = "") -> Path:
+    """Mean curve per experiment with a ±1 std band over its seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for g in groups:
+        rounds, mean, std = g.mean_curve(metric)
+        if not rounds:
+            continue
+        (line,) = ax.plot(rounds, mean, marker=".", label=f"{g.label} (n={len(g.runs)})")
+        ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round"), ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"{metric}: mean ± std over seeds")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot(runs: list[Run], out: Path, metric: str = "accuracy", title: str = "") -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -172,19 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figure", default="report.png", help="figure to write ('' = none)")
     ap.add_argument("--metric", default="accuracy", help="per-round metric to compare (default: accuracy)")
     ap.add_argument("--title", default="", help="figure title")
+    ap.add_argument("--by-seed", action="store_true",
+                    help="one row per experiment: runs that differ only in seed become mean ± std")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.runs)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    table = markdown_table(runs, args.metric)
+    groups = seed_groups(runs) if args.by_seed else None
+    table = seed_table(groups, args.metric) if groups else markdown_table(runs, args.metric)
     print(table, end="")
     if args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(table)
     if args.figure:
-        plot(runs, Path(args.figure), args.metric, args.title)
+        if groups:
+            plot_seed_groups(groups, Path(args.figure), args.metric, args.title)
+        else:
+            plot(runs, Path(args.figure), args.metric, args.title)
     return 0
 
 

@@ -1,0 +1,264 @@
+"""One command per paper: rerun its comparison on the embedded data, several seeds, one table.
+
+    python -m flower_apps.papers semisfl                  # all rows, seeds 0 1 2
+    python -m flower_apps.papers fedshvr --seeds 0 1 2 3 4
+    python -m flower_apps.papers scala --rows scala splitfed-v2 --engine simulation
+    python -m flower_apps.papers --list                   # papers, rows and their settings
+
+Each paper's comparison (:data:`PAPERS`) is a set of rows (an ``algo`` and its keys) on a
+shared base config at the paper's own hyperparameters (optimizer, learning rate, schedule,
+batch sizes; the model family scaled down to the 28x28 embedded MNIST-5k). Every row runs
+once per seed into ``<out>/<row>-s<seed>/`` (the usual run folder: ``config.json``,
+``metrics.jsonl``, checkpoints); then :mod:`flower_apps.report` writes ``<out>/report.md``
+(mean ± sample std over the seeds of the final, best and last-5-round accuracy) and
+``<out>/report.png`` (mean curves with ±1 std bands).
+
+Engines: ``inprocess`` (default) runs the ServerApp's ``run`` and the ClientApp's
+``dispatch`` in this process over :class:`split_layer.transport.LocalGrid`: the same
+messages, handlers and results as Flower's simulation engine, one node after another,
+without Ray's worker start-up and serialisation (what a 2-core machine can afford for a
+sweep of dozens of runs); ``simulation`` runs each row through Flower's simulation engine
+(:func:`flower_apps.simulate.run_simulation_inprocess`).
+
+The sweep is restartable: a finished run folder is kept and skipped, a partial one is
+resumed from its checkpoint (node-side state under ``<out>/.node-state``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    overrides: dict[str, Any]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Paper:
+    name: str
+    title: str
+    base: dict[str, Any]
+    rows: tuple[Row, ...]
+    supernodes: int
+    expected: str                      # the paper's ordering, as the doc states it
+    settings: str = ""                 # what differs from the paper, in words
+    rows_by_name: dict[str, Row] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        self.rows_by_name.update({r.name: r for r in self.rows})
+
+
+# Settings: each paper's optimizer, lr, schedule and batch sizes (shared/specs/<paper>.md
+# hyperparameter tables); model family scaled down; rounds cut to fit a 2-core CPU sweep.
+PAPERS: dict[str, Paper] = {
+    "semisfl": Paper(
+        name="semisfl", title="Semi-SFL (Sun et al.): Table IV ordering on non-IID unlabeled clients",
+        base={"model": "cnn", "cut": "conv2", "norm": "bn", "partition": "dirichlet", "partition-alpha": 0.1,
+              "server-labels": 500, "fraction-train": 0.3, "min-nodes": 2, "num-rounds": 15,
+              "lr": 0.02, "momentum": 0.9, "weight-decay": 0.0005, "batch-size": 64,
+              "semisfl.k-s": 50, "semisfl.k-u": 20, "semisfl.labeled-batch-size": 64, "semisfl.ema-decay": 0.99},
+        rows=(Row("semisfl", {"algo": "semisfl"}),
+              Row("semisfl-no-cluster", {"algo": "semisfl-no-cluster"}, "FedSwitch-SL-style: l_u = H_u, l_s = H_s, fixed K_s"),
+              Row("semisfl-fixed-ks", {"algo": "semisfl-fixed-ks"}, "clustering on, K_s fixed at 50"),
+              Row("supervised-only", {"algo": "supervised-only", "local-steps": 50},
+                  "the server alone: 50 labeled steps of batch 64 per round, same lr schedule")),
+        supernodes=10,
+        expected="Semi-SFL > FedSwitch-SL (no clustering) > supervised-only; adaptive K_s >= fixed K_s",
+        settings="SGD momentum 0.9, lr 0.02 cosine, weight decay 5e-4, batch 64 (paper); K_s 50 initial, "
+                 "K_u 20, EMA 0.99 (spec small-scale check); 10 clients Dir(0.1), 3 per round (paper 10 of 30); "
+                 "500 labels on the PS; Semi-SFL CNN split after conv2; 15 rounds (paper 1000)"),
+    "ssfl": Paper(
+        name="ssfl", title="SSFL benchmark (Zhang et al.): CRL, GN vs BN, grouping, vs supervised references",
+        base={"dataset": "mnist5k", "partition": "ssfl-r", "partition-r": 0.4, "server-labels": 1000,
+              "num-rounds": 15, "model": "cnn", "batch-size": 64, "local-steps": 16, "lr": 0.03,
+              "momentum": 0.9, "weight-decay": 0.0001, "ssfl.lr-c": 0.4375, "ssfl.lr-horizon": 1.0,
+              "ssfl.nesterov": True},
+        rows=(Row("ssfl-gn", {"algo": "ssfl", "norm": "gn"}),
+              Row("ssfl-bn", {"algo": "ssfl", "norm": "bn"}),
+              Row("ssfl-gn-s2", {"algo": "ssfl", "norm": "gn", "ssfl.groups": 2}, "grouping-based averaging, S = 2"),
+              Row("ssfl-selftrain-gn", {"algo": "ssfl-selftrain", "norm": "gn"}, "self-training instead of CRL"),
+              Row("supervised-only-gn", {"algo": "supervised-only", "norm": "gn"}, "the server's 1,000 labels alone"),
+              Row("fedavg-gn", {"algo": "fedavg", "norm": "gn"}, "reference: every user sample labeled")),
+        supernodes=10,
+        expected="CRL >> self-training; GN > BN; grouping recovers part of the non-IID gap; SSFL above supervised-only",
+        settings="SGD Nesterov momentum 0.9, lr 0.03, weight decay 1e-4, cosine c = 7/16 over the run "
+                 "(the paper's EMNIST row), B = 64, T = 16 steps per party per round; K = 10 users all "
+                 "participating, R = 0.4, N_s = 1,000; small CNN; 15 rounds (240 iterations)"),
+    "fedshvr": Paper(
+        name="fedshvr", title="Fed-SHVR (Wang et al.): class-mismatch FSSL on MNIST",
+        base={"dataset": "mnist5k", "model": "mlp", "norm": "none", "lr": 0.01, "momentum": 0.0,
+              "weight-decay": 0.0, "batch-size": 32, "local-epochs": 2, "partition": "dirichlet",
+              "partition-alpha": 0.5, "partition-labeled-per-client": 60, "partition-labeled-classes": 2,
+              "partition-mismatch-ratio": 0.5, "num-rounds": 40, "min-nodes": 10},
+        rows=(Row("fedshvr", {"algo": "fedshvr"}),
+              Row("fed-pseudo", {"algo": "fed-pseudo"}),
+              Row("fed-mt", {"algo": "fed-mt"}),
+              Row("fed-sl", {"algo": "fed-sl"}, "labeled-only FedAvg"),
+              Row("fedshvr-no-vr", {"algo": "fedshvr-no-vr"}, "ablation: no correction d_k"),
+              Row("fedshvr-no-nova", {"algo": "fedshvr-no-nova"}, "ablation: plain averaging")),
+        supernodes=10,
+        expected="Fed-SHVR >= Fed-MT, Fed-Pseudo > labeled-only FedAvg; removing d_k or FedNova hurts",
+        settings="plain SGD lr 0.01, B_l = B_u = 32, E = 2, K = 10, MLP, alpha1 0.75, alpha2 0.1, alpha0 "
+                 "ramped over 50 epochs (paper MNIST column); mismatch r = 0.5; 40 rounds (paper 100)"),
+    "umpfssl": Paper(
+        name="umpfssl", title="UM-pFSSL (Shi et al.): personalised FSSL, mean per-client accuracy",
+        base={"dataset": "mnist5k", "model": "cnn", "norm": "bn", "dropout": 0.5, "partition": "dirichlet",
+              "partition-alpha": 0.5, "partition-labeled-alpha": 0.5, "fraction-train": 0.1, "min-nodes": 2,
+              "num-rounds": 20, "batch-size": 64, "lr": 0.0001, "momentum": 0.9, "weight-decay": 0.0,
+              "local-epochs": 1},
+        rows=(Row("umpfssl", {"algo": "umpfssl"}),
+              Row("umpfssl-no-helpers", {"algo": "umpfssl", "umpfssl.helpers": 1, "umpfssl.replace": 0},
+                  "M = 1: the client's own model only (uncertainty-weighted pseudo-labels, no helpers)"),
+              Row("fixavg", {"algo": "fixavg"}),
+              Row("fixprox", {"algo": "fixprox"}),
+              Row("fedper-fix", {"algo": "fedper-fix"}),
+              Row("local-only", {"algo": "local-only"})),
+        supernodes=20,
+        expected="UM-pFSSL > FixAvg/FixProx/FedPer in mean per-client accuracy, with a lower variance",
+        settings="SGD lr 1e-4 momentum 0.9, batch 64, dropout 0.5, 10% of the clients per round, M = 5, "
+                 "R = 2, F = 20, nu = 10 (paper); K = 20, Dir(0.5) labels, Dir_2(0.5) labeled ratios, E = 1, "
+                 "T_mc = 10 (spec); MNIST-5k instead of Fashion-MNIST (offline), the small CNN with BatchNorm "
+                 "and dropout instead of ResNet-9; 20 rounds (paper 200)"),
+    "scala": Paper(
+        name="scala", title="SCALA (Yang & Liu): split FL under label skew",
+        base={"partition": "quantity", "partition-classes-per-client": 2, "fraction-train": 0.25,
+              "min-nodes": 2, "num-rounds": 30, "model": "cnn", "cut": "conv2", "lr": 0.01, "momentum": 0.0,
+              "weight-decay": 0.0, "scala.local-iterations": 10, "scala.total-batch": 160},
+        rows=(Row("scala", {"algo": "scala"}),
+              Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL: concatenation, plain CE"),
+              Row("lla-sfl", {"algo": "lla-sfl"}),
+              Row("splitfed-v1", {"algo": "splitfed-v1"}),
+              Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round")),
+        supernodes=20,
+        expected="SCALA > CA-SFL > SplitFedV1, LLA-SFL > SplitFedV1, SplitFedV2 last; SCALA smallest per-class spread",
+        settings="plain SGD lr 0.01, B = 160, I = 10 (spec small-scale check; paper B = 320, I = 20); K = 20, "
+                 "rho = 25%, 2 classes per client (alpha = 2); Semi-SFL CNN split after conv2 instead of "
+                 "AlexNet; 30 rounds = 300 global iterations"),
+}
+
+
+def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None = None) -> tuple[dict, set[str]]:
+    """The fused run config of one (row, seed) and the keys set for it (the 'user' keys)."""
+    from flower_apps.simulate import fused_run_config
+
+    over = {**paper.base, **row.overrides, "seed": seed, "run-name": f"{row.name}-s{seed}",
+            "results-dir": str(out)}
+    if rounds is not None:
+        over["num-rounds"] = rounds
+    cfg = fused_run_config(None)
+    unknown = sorted(set(over) - set(cfg))
+    if unknown:
+        raise KeyError(f"paper {paper.name!r}, row {row.name!r}: unknown run-config keys {unknown}")
+    cfg.update(over)
+    return cfg, set(over)
+
+
+def _done_rounds(folder: Path) -> int:
+    try:
+        lines = [ln for ln in (folder / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        return int(json.loads(lines[-1])["round"]) if lines else 0
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
+def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path:
+    if engine == "simulation":
+        from flower_apps.simulate import run_simulation_inprocess
+
+        return run_simulation_inprocess(cfg, supernodes, explicit=explicit)
+    from flower_apps.client_app import dispatch
+    from flower_apps.server_app import run
+    from split_layer.transport import LocalGrid
+
+    return run(LocalGrid(supernodes, dispatch, run_config=cfg), cfg, explicit=explicit)
+
+
+def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",
+              rows: list[str] | None = None, rounds: int | None = None, log=print) -> Path:
+    """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``."""
+    paper = PAPERS[name]
+    out = Path(out or Path("results") / "papers" / name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FLOWER_SSL_STATE_DIR", str(out / ".node-state"))
+    chosen = [paper.rows_by_name[r] for r in rows] if rows else list(paper.rows)
+    t_all = time.time()
+    for row in chosen:
+        for seed in seeds:
+            cfg, explicit = row_config(paper, row, seed, out, rounds)
+            folder = out / cfg["run-name"]
+            done = _done_rounds(folder)
+            if done >= cfg["num-rounds"]:
+                log(f"[{name}] {folder.name}: done ({done} rounds), kept")
+                continue
+            if folder.exists():
+                cfg["resume"] = True
+                explicit.add("resume")
+            t0 = time.time()
+            log(f"[{name}] {folder.name}: {'resuming after round ' + str(done) if done else 'running'}")
+            run_one(cfg, explicit, paper.supernodes, engine)
+            log(f"[{name}] {folder.name}: {time.time() - t0:.0f} s")
+    write_report(paper, out, [r.name for r in chosen], seeds)
+    log(f"[{name}] report: {out / 'report.md'} ({time.time() - t_all:.0f} s)")
+    return out
+
+
+def write_report(paper: Paper, out: Path, rows: list[str], seeds) -> str:
+    from flower_apps.report import plot_seed_groups, read_run, seed_groups, seed_table
+
+    runs = [read_run(out / f"{r}-s{s}") for r in rows for s in seeds if (out / f"{r}-s{s}" / "metrics.jsonl").exists()]
+    groups = seed_groups(runs)
+    table = seed_table(groups)
+    notes = "\n".join(f"* `{r.name}`: {r.note}" for r in paper.rows if r.name in rows and r.note)
+    text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.\n\nPaper's ordering: {paper.expected}.\n"
+            + (f"\n{notes}\n" if notes else ""))
+    (out / "report.md").write_text(text)
+    plot_seed_groups(groups, out / "report.png", title=paper.title)
+    print(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flower_apps.papers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paper", nargs="?", choices=sorted(PAPERS), help="which paper's comparison")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+    ap.add_argument("--rows", nargs="+", default=None, help="a subset of the paper's rows (default: all)")
+    ap.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
+    ap.add_argument("--out", default=None, help="results folder (default: results/papers/<paper>)")
+    ap.add_argument("--rounds", type=int, default=None, help="override num-rounds (quick looks)")
+    ap.add_argument("--list", action="store_true", help="print the papers, their rows and settings")
+    args = ap.parse_args(argv)
+    if args.list or not args.paper:
+        for p in PAPERS.values():
+            print(f"{p.name}: {p.title}\n  settings: {p.settings}\n  base: {p.base}")
+            for r in p.rows:
+                print(f"  - {r.name}: {r.overrides}" + (f"  ({r.note})" if r.note else ""))
+        return 0 if args.list else 2
+    unknown = [r for r in (args.rows or []) if r not in PAPERS[args.paper].rows_by_name]
+    if unknown:
+        print(f"error: --rows {unknown} not in {args.paper}'s rows: "
+              f"{', '.join(PAPERS[args.paper].rows_by_name)}", file=sys.stderr)
+        return 2
+    from tasks.config import ConfigError
+
+    try:
+        run_paper(args.paper, args.seeds, Path(args.out) if args.out else None, args.engine, args.rows, args.rounds)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
