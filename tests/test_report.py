@@ -41,3 +41,23 @@ def test_explicit_folders_and_errors(tmp_path):
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no run folders"):
         find_runs([tmp_path / "emptydir"])
+
+
+def test_by_seed_mean_and_sample_std(tmp_path):
+    """Runs that differ only in seed are one row: mean ± sample std (ddof 1) of the final,
+    best and last-5-round accuracy; a run with another config is its own row."""
+    base = {"algo": "scala", "lr": 0.01, "results-dir": "r"}
+    _write_run(tmp_path / "runs" / "scala-s0", {**base, "seed": 0, "run-name": "scala-s0"}, [0.2, 0.6, 0.5])
+    _write_run(tmp_path / "runs" / "scala-s1", {**base, "seed": 1, "run-name": "scala-s1"}, [0.3, 0.4, 0.7])
+    _write_run(tmp_path / "runs" / "scala-s2", {**base, "seed": 2, "run-name": "scala-s2"}, [0.1, 0.5, 0.6])
+    _write_run(tmp_path / "runs" / "fast-s0", {**base, "lr": 0.1, "seed": 0, "run-name": "fast-s0"}, [0.9])
+    out, fig = tmp_path / "r.md", tmp_path / "r.png"
+    assert main([str(tmp_path / "runs"), "--by-seed", "--out", str(out), "--figure", str(fig)]) == 0
+    lines = out.read_text().strip().splitlines()
+    assert lines[0].startswith("| row | algo | lr | seeds | final accuracy | best accuracy | last-5 mean |")
+    # the folders are read sorted: fast-s0 first, then scala-s0..s2
+    assert lines[2].startswith("| fast | scala | 0.1 | 0 | 0.900 ± 0.000 | 0.900 ± 0.000 | 0.900 ± 0.000 | 1 |")
+    # finals 0.5, 0.7, 0.6: mean 0.6, sample std 0.1; bests 0.6, 0.7, 0.6: 0.633 ± 0.058;
+    # 3-round means 0.4333, 0.4667, 0.4: 0.433 ± 0.033
+    assert lines[3].startswith("| scala | scala | 0.01 | 0,1,2 | 0.600 ± 0.100 | 0.633 ± 0.058 | 0.433 ± 0.033 | 3 |")
+    assert fig.read_bytes()[:4] == b"\x89PNG"

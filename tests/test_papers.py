@@ -1,0 +1,51 @@
+"""flower_apps.papers: one command per paper's comparison, several seeds, one table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flower_apps.config import parse_run_config, preflight
+from flower_apps.papers import PAPERS, main, row_config, run_paper
+from strategies.registry import algorithm_names
+
+
+@pytest.mark.parametrize("paper", sorted(PAPERS))
+def test_every_row_is_a_valid_run_at_the_papers_settings(paper, tmp_path):
+    """Every row parses (no key contradicts its variant) and passes the pre-flight checks with
+    the paper's number of SuperNodes; rows are distinct experiments."""
+    p = PAPERS[paper]
+    seen = set()
+    for row in p.rows:
+        cfg, explicit = row_config(p, row, 0, tmp_path)
+        assert cfg["algo"] in algorithm_names()
+        preflight(parse_run_config(cfg, explicit), p.supernodes)
+        key = json.dumps({k: v for k, v in cfg.items() if k != "run-name"}, sort_keys=True)
+        assert key not in seen, row.name
+        seen.add(key)
+        cfg1, _ = row_config(p, row, 1, tmp_path)
+        assert cfg1["seed"] == 1 and cfg1["run-name"] == f"{row.name}-s1"
+
+
+def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
+    logs = []
+    out = run_paper("scala", seeds=[0, 1], out=tmp_path, rows=["scala"], rounds=1, log=logs.append)
+    report = (out / "report.md").read_text()
+    assert "| scala | scala | 0,1 |" in report and " ± " in report
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) == \
+        ["scala-s0", "scala-s1"]
+    # seeds give different runs
+    acc = [json.loads((out / f"scala-s{s}" / "metrics.jsonl").read_text().splitlines()[-1])["accuracy"]
+           for s in (0, 1)]
+    assert acc[0] != acc[1]
+    logs.clear()
+    run_paper("scala", seeds=[0, 1], out=tmp_path, rows=["scala"], rounds=1, log=logs.append)
+    assert sum("done (1 rounds), kept" in m for m in logs) == 2  # nothing re-run
+
+
+def test_cli_errors(capsys):
+    assert main(["scala", "--rows", "nope"]) == 2
+    assert "not in scala's rows" in capsys.readouterr().err
+    assert main(["--list"]) == 0
+    assert "splitfed-v2" in capsys.readouterr().out
