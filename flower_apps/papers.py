@@ -42,6 +42,7 @@ class Row:
     name: str
     overrides: dict[str, Any]
     note: str = ""
+    probe: bool = False    # not a row of the paper's table: a probe that isolates a cause (ours)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,10 @@ PAPERS: dict[str, Paper] = {
               Row("semisfl-no-cluster", {"algo": "semisfl-no-cluster"}, "FedSwitch-SL-style: l_u = H_u, l_s = H_s, fixed K_s"),
               Row("semisfl-fixed-ks", {"algo": "semisfl-fixed-ks"}, "clustering on, K_s fixed at 50"),
               Row("supervised-only", {"algo": "supervised-only", "local-steps": 50},
-                  "the server alone: 50 labeled steps of batch 64 per round, same lr schedule")),
+                  "the server alone: 50 labeled steps of batch 64 per round, same lr schedule"),
+              Row("semisfl-T-all", {"algo": "semisfl", "semisfl.supcon-queue-positives": "all"},
+                  "probe: T with every same-label queue entry a positive (the literal Eq. 3, this "
+                  "library's default before 2026-11-23)", probe=True)),
         supernodes=10,
         expected="Semi-SFL > FedSwitch-SL (no clustering) > supervised-only; adaptive K_s >= fixed K_s",
         settings="SGD momentum 0.9, lr 0.02 cosine, weight decay 5e-4, batch 64 (paper); K_s 50 initial, "
@@ -106,7 +110,13 @@ PAPERS: dict[str, Paper] = {
               Row("fed-mt", {"algo": "fed-mt"}),
               Row("fed-sl", {"algo": "fed-sl"}, "labeled-only FedAvg"),
               Row("fedshvr-no-vr", {"algo": "fedshvr-no-vr"}, "ablation: no correction d_k"),
-              Row("fedshvr-no-nova", {"algo": "fedshvr-no-nova"}, "ablation: plain averaging")),
+              Row("fedshvr-no-nova", {"algo": "fedshvr-no-nova"}, "ablation: plain averaging"),
+              Row("fed-pseudo+dk", {"algo": "fedshvr", "fedshvr.alpha1": 0.0, "fedshvr.alpha2": 0.0,
+                                    "fedshvr.normalized-averaging": False},
+                  "probe: Fed-Pseudo (hard labels, plain averaging) plus the drift correction d_k", probe=True),
+              Row("fed-pseudo+nova", {"algo": "fedshvr", "fedshvr.alpha1": 0.0, "fedshvr.alpha2": 0.0,
+                                      "fedshvr.correction": False},
+                  "probe: Fed-Pseudo with FedNova averaging instead of plain averaging", probe=True)),
         supernodes=10,
         expected="Fed-SHVR >= Fed-MT, Fed-Pseudo > labeled-only FedAvg; removing d_k or FedNova hurts",
         settings="plain SGD lr 0.01, B_l = B_u = 32, E = 2, K = 10, MLP, alpha1 0.75, alpha2 0.1, alpha0 "
@@ -123,7 +133,9 @@ PAPERS: dict[str, Paper] = {
               Row("fixavg", {"algo": "fixavg"}),
               Row("fixprox", {"algo": "fixprox"}),
               Row("fedper-fix", {"algo": "fedper-fix"}),
-              Row("local-only", {"algo": "local-only"})),
+              Row("local-only", {"algo": "local-only"}),
+              Row("umpfssl-lr0.01", {"algo": "umpfssl", "lr": 0.01},
+                  "probe: 100x the paper's learning rate (this library's earlier setting)", probe=True)),
         supernodes=20,
         expected="UM-pFSSL > FixAvg/FixProx/FedPer in mean per-client accuracy, with a lower variance",
         settings="SGD lr 1e-4 momentum 0.9, batch 64, dropout 0.5, 10% of the clients per round, M = 5, "
