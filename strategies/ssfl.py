@@ -181,6 +181,7 @@ def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: i
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     total, seen, kept, correct = 0.0, 0, 0.0, 0.0
+    hist = None  # confident pseudo-labels per class (no true label involved)
     for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
         if lr_fn is not None:
             set_lr(optimizer, lr_fn(i))
@@ -195,8 +196,16 @@ def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: i
         seen += len(idx)
         kept += float(mask.sum())
         correct += float(((pseudo == yb).to(mask.dtype) * mask).sum())
+        counts = torch.bincount(pseudo[mask > 0].long())
+        hist = counts.cpu() if hist is None else _add_hist(hist, counts.cpu())
     return {"train-loss": total / max(seen, 1), "num-examples": float(seen),
-            "mask-rate": kept / max(seen, 1), "pseudo-kept": kept, "pseudo-correct": correct}
+            "mask-rate": kept / max(seen, 1), "pseudo-kept": kept, "pseudo-correct": correct,
+            "pseudo-hist": [float(v) for v in (hist.tolist() if hist is not None else [])]}
+
+
+def _add_hist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    n = max(len(a), len(b))
+    return torch.nn.functional.pad(a, (0, n - len(a))) + torch.nn.functional.pad(b, (0, n - len(b)))
 
 
 def _ssfl_config(msg: Message) -> SSFLConfig:
@@ -308,7 +317,8 @@ class SSFLStrategy(SSLStrategy):
             rec = r.content.array_records[ARRAYS_KEY]
             self.meter.add_record("weights", "up", rec)
             users[r.metadata.src_node_id] = record_to_numpy(rec)
-            mets.append({k: float(v) for k, v in r.content.metric_records[METRICS_KEY].items()})
+            mets.append({k: (list(v) if isinstance(v, list) else float(v))
+                         for k, v in r.content.metric_records[METRICS_KEY].items()})
         out: dict[str, Any] = {"participants": len(replies)}
         if len(users) < self.policy.min_nodes:
             out["skipped"] = 1
@@ -328,6 +338,13 @@ class SSFLStrategy(SSLStrategy):
         kept = sum(m["pseudo-kept"] for m in mets)
         if kept > 0:
             out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in mets) / kept
+            hists = [np.asarray(m.get("pseudo-hist", []), dtype=np.float64) for m in mets]
+            size = max((len(h) for h in hists), default=0)
+            if size:
+                total = sum(np.pad(h, (0, size - len(h))) for h in hists)
+                # which class the users' confident pseudo-labels go to: a collapse shows as share -> 1
+                out["pseudo-main-class"] = int(np.argmax(total))
+                out["pseudo-main-share"] = float(total.max() / total.sum())
         out["server-train-loss"] = srv["train-loss"]
         out["lr"] = float(lr_fn(self.period - 1))
         out["period"] = self.period

@@ -201,3 +201,30 @@ def test_config_errors_name_the_key():
         parse_run_config({"algo": "ssfl", "ssfl.lr-warmup": 0.5, "ssfl.lr-horizon": 0.4})
     parsed = parse_run_config({"algo": "ssfl-selftrain", "ssfl.tau": 0.9})
     assert parsed.algo.user_loss == "self-training" and parsed.algo.tau == 0.9
+
+
+def test_user_period_reports_the_class_histogram_of_its_confident_pseudo_labels():
+    """``pseudo-hist`` counts the kept (confident) pseudo-labels per class, from the model's own
+    predictions (no true label): a one-class collapse shows as one non-zero bin."""
+    from strategies.ssfl import train_unlabeled
+    from tasks.data import ArrayDataset
+
+    class Ident:
+        def weak(self, x):
+            return x.float() / 255
+
+        strong = weak
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[1].bias.copy_(torch.tensor([0.0, 9.0, 0.0]))  # every sample confidently class 1
+    data = ArrayDataset(np.random.default_rng(0).integers(0, 256, (10, 1, 2, 2), dtype=np.uint8),
+                        np.zeros(10, dtype=np.int64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m = train_unlabeled(model, data, aug=Ident(), steps=3, batch_size=4, optimizer=opt,
+                        device=torch.device("cpu"), seed=0, tau=0.95)
+    assert m["pseudo-kept"] == m["num-examples"] == sum(m["pseudo-hist"]) > 0
+    assert m["pseudo-hist"] == [0.0, m["pseudo-kept"]]
+    assert m["pseudo-correct"] == 0  # the (hidden) labels are all 0: diagnostics only
