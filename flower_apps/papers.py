@@ -135,7 +135,11 @@ PAPERS: dict[str, Paper] = {
               Row("fedper-fix", {"algo": "fedper-fix"}),
               Row("local-only", {"algo": "local-only"}),
               Row("umpfssl-lr0.01", {"algo": "umpfssl", "lr": 0.01},
-                  "probe: 100x the paper's learning rate (this library's earlier setting)", probe=True)),
+                  "probe: 100x the paper's learning rate (this library's earlier setting)", probe=True),
+              Row("fixavg-lr0.01", {"algo": "fixavg", "lr": 0.01}, "probe: FixAvg at 100x the paper's lr",
+                  probe=True),
+              Row("local-only-lr0.01", {"algo": "local-only", "lr": 0.01},
+                  "probe: local-only at 100x the paper's lr", probe=True)),
         supernodes=20,
         expected="UM-pFSSL > FixAvg/FixProx/FedPer in mean per-client accuracy, with a lower variance",
         settings="SGD lr 1e-4 momentum 0.9, batch 64, dropout 0.5, 10% of the clients per round, M = 5, "
