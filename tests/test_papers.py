@@ -29,19 +29,19 @@ def test_every_row_is_a_valid_run_at_the_papers_settings(paper, tmp_path):
 
 def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
     logs = []
-    out = run_paper("scala", seeds=[0, 1], out=tmp_path, rows=["scala"], rounds=1, log=logs.append)
+    out = run_paper("fedshvr", seeds=[0, 1], out=tmp_path, rows=["fed-sl"], rounds=2, log=logs.append)
     report = (out / "report.md").read_text()
-    assert "| scala | scala | 0,1 |" in report and " ± " in report
+    assert "| fed-sl | fed-sl |" in report and "| 0,1 |" in report and " ± " in report
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) == \
-        ["scala-s0", "scala-s1"]
-    # seeds give different runs
-    acc = [json.loads((out / f"scala-s{s}" / "metrics.jsonl").read_text().splitlines()[-1])["accuracy"]
+        ["fed-sl-s0", "fed-sl-s1"]
+    # seeds give different runs (the seed also draws the partition)
+    acc = [json.loads((out / f"fed-sl-s{s}" / "metrics.jsonl").read_text().splitlines()[-1])["accuracy"]
            for s in (0, 1)]
     assert acc[0] != acc[1]
     logs.clear()
-    run_paper("scala", seeds=[0, 1], out=tmp_path, rows=["scala"], rounds=1, log=logs.append)
-    assert sum("done (1 rounds), kept" in m for m in logs) == 2  # nothing re-run
+    run_paper("fedshvr", seeds=[0, 1], out=tmp_path, rows=["fed-sl"], rounds=2, log=logs.append)
+    assert sum("done (2 rounds), kept" in m for m in logs) == 2  # nothing re-run
 
 
 def test_cli_errors(capsys):
