@@ -242,11 +242,7 @@ def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5)
 
 def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy", title: str = "") -> Path:
     """Mean curve per experiment with a ±1 std band over its seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = _pyplot().subplots(figsize=(7, 4.2))
     for g in groups:
         rounds, mean, std = g.mean_curve(metric)
         if not rounds:
@@ -257,6 +253,20 @@ def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy
     ax.set_xlabel("round"), ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or f"{metric}: mean ± std over seeds")
+    return _save(fig, out)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -265,11 +275,7 @@ def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy
 
 
 def plot(runs: list[Run], out: Path, metric: str = "accuracy", title: str = "") -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2) = _pyplot().subplots(1, 2, figsize=(11, 4))
     for r in runs:
         s = r.series(metric)
         if not s:
@@ -282,11 +288,7 @@ def plot(runs: list[Run], out: Path, metric: str = "accuracy", title: str = "") 
     a2.set_xlabel("cumulative MB exchanged"), a2.set_ylabel(f"test {metric}"), a2.grid(alpha=0.3)
     a1.legend(fontsize=8)
     fig.suptitle(title or f"{metric} of {len(runs)} runs")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
