@@ -160,7 +160,7 @@ def stream_echo(nodes: int, shape: tuple[int, ...], reps: int) -> float:
         return reply(msg, Envelope(arrays={"bottom": {}}))
 
     grid = LocalGrid(nodes, echo, threaded=True)
-    tr = StreamTransport(Owner(), grid, StreamOptions(timeout=60.0))
+    tr = StreamTransport(Owner(), grid, StreamOptions(timeout=60.0, session="round"))
     ids = grid.get_node_ids()
     g = {"g": np.ones(shape, np.float32)}
     tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": reps + 1}) for n in ids})

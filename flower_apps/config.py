@@ -36,11 +36,16 @@ class AppConfig:
                                                     "accept remote SuperNodes; then set split-stream-advertise)")
     split_stream_advertise: str = knob("", help="stream transport: address SuperNodes connect to ('' = "
                                                 "split-stream-host)")
-    split_stream_port: int = knob(0, lo=0, hi=65535, help="stream transport: port (0 = an ephemeral port per round)")
+    split_stream_port: int = knob(0, lo=0, hi=65535, help="stream transport: port (0 = an ephemeral port per run, or per round with one-round sessions)")
     split_stream_tls: str = knob("auto", choices=("auto", "on", "off"),
-                                 help="stream transport: TLS with a per-round self-signed certificate shipped in "
+                                 help="stream transport: TLS with a fresh self-signed certificate (per run, or per round with one-round sessions) shipped in "
                                       "the Flower start message; auto = on unless the address SuperNodes dial "
                                       "(split-stream-advertise, else split-stream-host) is a loopback address")
+    split_stream_session: str = knob("auto", choices=("auto", "run", "round"),
+                                     help="stream transport: how long a node's stream session lasts. run = many "
+                                          "rounds (one Flower message starts it; later rounds start on the "
+                                          "stream); round = one round; auto = run unless a simulation cannot "
+                                          "run every node's ClientApp at once")
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():
@@ -52,7 +57,8 @@ class AppConfig:
 
             try:
                 StreamOptions(host=self.split_stream_host, advertise=self.split_stream_advertise,
-                              port=self.split_stream_port, tls=self.split_stream_tls)
+                              port=self.split_stream_port, tls=self.split_stream_tls,
+                              session=self.split_stream_session)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):

@@ -54,7 +54,7 @@ def stream_options(app_cfg):
 
     return StreamOptions(host=app_cfg.split_stream_host, advertise=app_cfg.split_stream_advertise,
                          port=app_cfg.split_stream_port, tls=app_cfg.split_stream_tls,
-                         timeout=app_cfg.round_timeout)
+                         timeout=app_cfg.round_timeout, session=app_cfg.split_stream_session)
 
 
 def user_keys(grid: Grid) -> set[str] | None:

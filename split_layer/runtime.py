@@ -205,12 +205,52 @@ class SplitStrategy(SSLStrategy):
                             "sim-threads": int(env.config.get("sim-threads", 0))}
 
     # ------------------------------------------------------------------ the round
+    _transport: Transport | None = None
+
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
-        transport = self.make_transport(grid)
+        """One round over the run's transport (made at the first round; a stream transport
+        keeps its sessions across rounds, see :class:`split_layer.stream.StreamTransport`)."""
+        if self._transport is None or getattr(self._transport, "grid", grid) is not grid:
+            self.close_transport()
+            self._transport = self.make_transport(grid)
         try:
-            return self._run_round(server_round, grid, transport)
+            out = self._run_round(server_round, grid, self._transport)
+        except BaseException:
+            self.close_transport()
+            raise
+        self._transport.end_round()
+        return out
+
+    def close_transport(self) -> None:
+        """End the transport's sessions (the run ended, or failed)."""
+        tr, self._transport = self._transport, None
+        if tr is not None:
+            tr.close()
+
+    def start(self, grid: Grid, *args: Any, **kwargs: Any):
+        """Flower's ``Strategy.start`` (see :meth:`strategies.base.SSLStrategy.start`); the
+        transport's sessions end with it, also when it fails."""
+        try:
+            return super().start(grid, *args, **kwargs)
         finally:
-            transport.close()
+            self.close_transport()
+
+    def largest_stream_specs(self, node: int) -> dict[str, TensorSpec]:
+        """``stream_specs(node)`` at the largest batch the node can be given in any round
+        (``max_batch``): bounds the frames of a stream session that spans rounds."""
+        old = self.round_batch.get(node)   # (begin_round has set round_batch)
+        self.round_batch[node] = self.max_batch(node)
+        try:
+            return self.stream_specs(node)
+        finally:
+            if old is None:
+                self.round_batch.pop(node, None)
+            else:
+                self.round_batch[node] = old
+
+    def max_batch(self, node: int) -> int:
+        """The largest ``split-batch`` ``begin_round`` can give ``node`` (default: the task's batch size)."""
+        return int(self.task.batch_size)
 
     def _run_round(self, server_round: int, grid: Grid, transport: Transport) -> dict[str, Any]:
         sampled = self.sample_nodes(grid, server_round)

@@ -87,7 +87,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message
 from flwr.common import log
 
-from .transport import Envelope, FlowerTransport, Transport, envelope_from_message, _fill
+from .transport import _CONFIG_KEY, Envelope, FlowerTransport, Transport, _fill, envelope_from_message
 
 __all__ = ["StreamOptions", "StreamTransport", "StreamClient", "StreamError", "StreamConfigError",
            "encode", "decode", "simulation_concurrency", "max_frame_bytes", "TRANSPORTS", "STREAM_KEYS"]
@@ -100,7 +100,13 @@ MAGIC = b"FSS1"
 # config keys of the start message (client side)
 STREAM_KEYS = {"address": "split-stream-address", "token": "split-stream-token", "node": "split-stream-node",
                "cert": "split-stream-cert", "timeout": "split-stream-timeout",
-               "max-frame": "split-stream-max-frame"}
+               "max-frame": "split-stream-max-frame", "session": "split-stream-session",
+               "idle": "split-stream-idle"}
+SESSION_MODES = ("auto", "run", "round")
+# A session (one Flower message) may span many rounds, but not Flower's message TTL (12 h in
+# flwr 1.41: a reply after it is discarded): a session older than this is ended at a round
+# boundary and the node gets a fresh one.
+SESSION_MAX_S = 11 * 3600.0
 # call metadata that authenticates a client (checked before any frame is read)
 NODE_HEADER = "x-flowerssl-node"
 TOKEN_HEADER = "x-flowerssl-token-bin"   # "-bin": raw bytes, so any token value arrives and is compared as bytes
@@ -197,6 +203,74 @@ def max_frame_bytes(specs: dict[str, Any] | None) -> int:
     return int(total + FRAME_MARGIN + 128 * len(specs))
 
 
+def pack_arrays(arrays: dict[str, dict[str, np.ndarray]]) -> tuple[list[list[str]], dict[str, np.ndarray]]:
+    """Named state dicts as one frame's tensors: ``(table, tensors)`` where ``table[i] =
+    [name, key]`` names tensor ``str(i)`` (state-dict keys may hold any character)."""
+    table, tensors = [], {}
+    for name, sd in arrays.items():
+        for key, v in sd.items():
+            tensors[str(len(table))] = v
+            table.append([str(name), str(key)])
+    return table, tensors
+
+
+def unpack_arrays(table: Any, tensors: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """Inverse of :func:`pack_arrays`; a table that does not name exactly the frame's tensors
+    raises :class:`StreamError`."""
+    if not isinstance(table, list) or len(table) != len(tensors):
+        raise StreamError(f"arrays table does not match the frame's {len(tensors)} tensor(s)")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for i, entry in enumerate(table):
+        if (not isinstance(entry, list) or len(entry) != 2 or not all(isinstance(x, str) for x in entry)
+                or str(i) not in tensors):
+            raise StreamError(f"arrays table entry {i} is not [name, key] of a tensor in the frame")
+        out.setdefault(entry[0], {})[entry[1]] = tensors[str(i)]
+    return out
+
+
+def config_to_json(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Flower ConfigRecord's values (numbers, strings, bools, bytes, lists of them) as JSON:
+    bytes become ``{"b64": ...}``."""
+    import base64
+
+    def enc(v):
+        if isinstance(v, (bytes, bytearray)):
+            return {"b64": base64.b64encode(bytes(v)).decode()}
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        return v
+    return {str(k): enc(v) for k, v in cfg.items()}
+
+
+def config_from_json(obj: Any) -> dict[str, Any]:
+    """Inverse of :func:`config_to_json`; anything but such a dict raises :class:`StreamError`."""
+    import base64
+
+    def dec(v):
+        if isinstance(v, dict):
+            if set(v) != {"b64"} or not isinstance(v["b64"], str):
+                raise StreamError("a config value is an object other than {'b64': ...}")
+            return base64.b64decode(v["b64"])
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if v is None:
+            raise StreamError("a config value is null")
+        return v
+    if not isinstance(obj, dict):
+        raise StreamError("config is not an object")
+    return {str(k): dec(v) for k, v in obj.items()}
+
+
+def metrics_from_json(obj: Any) -> dict[str, Any]:
+    """Reply metrics from a frame header: numbers or lists of numbers only."""
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if not isinstance(obj, dict) or not all(num(v) or (isinstance(v, list) and all(num(x) for x in v))
+                                            for v in obj.values()):
+        raise StreamError("metrics are not an object of numbers")
+    return {str(k): v for k, v in obj.items()}
+
+
 # --------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class StreamOptions:
@@ -207,10 +281,13 @@ class StreamOptions:
     port: int = 0                 # 0 = an ephemeral port per round
     tls: str = "auto"             # auto | on | off
     timeout: float = 600.0        # every wait, both sides (the run's round-timeout)
+    session: str = "auto"         # auto | run | round: how long one node's stream session lasts
 
     def __post_init__(self) -> None:
         if self.tls not in TLS_MODES:
             raise ValueError(f"split-stream-tls={self.tls!r} is not one of: {', '.join(TLS_MODES)}")
+        if self.session not in SESSION_MODES:
+            raise ValueError(f"split-stream-session={self.session!r} is not one of: {', '.join(SESSION_MODES)}")
         if self.host in ("0.0.0.0", "::", "") and not self.advertise:
             raise ValueError(f"split-stream-host={self.host!r} binds every interface; set split-stream-advertise "
                              f"to the address SuperNodes reach the ServerApp at")
@@ -331,20 +408,22 @@ class _Server:
     """
 
     def __init__(self, opts: StreamOptions, nodes: list[int], max_frame: int = DEFAULT_MAX_FRAME,
-                 lifetime: float = 86_400.0) -> None:
-        self.events: queue.Queue = queue.Queue()   # (node, kind, payload)
-        self.sessions = {n: _Session(secrets.token_hex(32)) for n in nodes}
+                 lifetime: float = 86_400.0, workers: int = 0) -> None:
+        self.events: queue.Queue = queue.Queue()   # (node, kind, payload) of the nodes' current sessions
+        self._lock = threading.Lock()
+        self.sessions: dict[int, _Session] = {}
+        for n in nodes:
+            self.open(n)
         self.max_frame = int(max_frame)
         self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S + self.max_frame / FIRST_FRAME_RATE)
         self.refused: collections.Counter = collections.Counter()   # reason -> count
         self._logged = 0
         self._dummy = secrets.token_hex(32).encode()  # compared against for unknown nodes (same timing)
-        self._lock = threading.Lock()
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
         # Genuine streams hold one worker each (one per node); refusals take one briefly and
         # never read the network, so a flood of them delays but cannot starve a node.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=len(nodes) + 4,
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(int(workers), len(nodes) + 4),
                                                              thread_name_prefix="split-stream"),
                                   handlers=[handler], interceptors=[_AuthInterceptor(self)],
                                   options=_grpc_options(self.max_frame) + _KEEPALIVE_SERVER)
@@ -363,6 +442,24 @@ class _Server:
         self.port = port
         self.address = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
         self.server.start()
+
+    def open(self, node: int) -> "_Session":
+        """A new session for ``node`` with a fresh token; a previous session of the node is
+        closed (its call cancelled, its token no longer accepted, its events ignored)."""
+        with self._lock:
+            old = self.sessions.get(node)
+            sess = self.sessions[node] = _Session(secrets.token_hex(32))
+        if old is not None and not old.closed:
+            old.closed = True
+            old.outbox.put(None)
+            if old.context is not None:
+                old.context.cancel()
+        return sess
+
+    def _emit(self, sess: "_Session", node: int, kind: str, payload: Any) -> None:
+        """An event of ``sess``, unless the node has a newer session by now."""
+        if self.sessions.get(node) is sess:
+            self.events.put((node, kind, payload))
 
     # ------------------------------------------------------------------ authentication
     def authenticate(self, metadata) -> tuple[int | None, str]:
@@ -408,8 +505,8 @@ class _Server:
             return
         sess = self.sessions[node]
         with self._lock:
-            why = (f"node {node} is already connected this round" if sess.connected else
-                   f"node {node} was already dropped from this round" if sess.closed else "")
+            why = (f"node {node} is already connected in this session" if sess.connected else
+                   f"node {node} was already dropped from this session" if sess.closed else "")
             if not why:
                 sess.connected = True
                 sess.context = context
@@ -417,26 +514,26 @@ class _Server:
             self.refuse(why, context.peer())
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"split stream: {why}")
             return
-        timer = threading.Timer(self.first_frame_s, self._first_frame_late, args=(node, context))
+        timer = threading.Timer(self.first_frame_s, self._first_frame_late, args=(sess, node, context))
         timer.daemon = True
         timer.start()
         try:
             first = next(request_iterator)
         except StopIteration:
-            self.events.put((node, "closed", "the client closed its stream before its first frame"))
+            self._emit(sess, node, "closed", "the client closed its stream before its first frame")
             return
         except Exception as e:  # noqa: BLE001 - cancelled (deadline) or broken
-            self.events.put((node, "closed", f"no first frame: {type(e).__name__}: {e}"))
+            self._emit(sess, node, "closed", f"no first frame: {type(e).__name__}: {e}")
             return
         finally:
             timer.cancel()
         try:
             header, tensors = decode(first)
         except StreamError as e:
-            self.events.put((node, "closed", f"bad first frame: {e}"))
+            self._emit(sess, node, "closed", f"bad first frame: {e}")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad first frame: {e}")
             return
-        self.events.put((node, "frame", (header, tensors)))
+        self._emit(sess, node, "frame", (header, tensors))
         # lock-step in this one thread: a response out, then the client's next frame in
         while context.is_active():
             try:
@@ -449,16 +546,16 @@ class _Server:
             try:
                 req = next(request_iterator)
             except StopIteration:
-                self.events.put((node, "closed", "the client closed its stream"))
+                self._emit(sess, node, "closed", "the client closed its stream")
                 return
             except Exception as e:  # noqa: BLE001 - a broken stream
-                self.events.put((node, "closed", f"stream broke: {type(e).__name__}: {e}"))
+                self._emit(sess, node, "closed", f"stream broke: {type(e).__name__}: {e}")
                 return
-            self.events.put((node, "frame", req))
-        self.events.put((node, "closed", "the stream was cancelled"))
+            self._emit(sess, node, "frame", req)
+        self._emit(sess, node, "closed", "the stream was cancelled")
 
-    def _first_frame_late(self, node: int, context) -> None:
-        self.events.put((node, "closed", f"no first frame within {self.first_frame_s:.0f} s of the call"))
+    def _first_frame_late(self, sess: "_Session", node: int, context) -> None:
+        self._emit(sess, node, "closed", f"no first frame within {self.first_frame_s:.0f} s of the call")
         context.cancel()
 
     def send(self, node: int, frame: bytes) -> None:
@@ -498,36 +595,53 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
 
 class StreamTransport(Transport):
-    """Split exchanges over gRPC streams; Flower messages start and end each client's round.
+    """Split exchanges over gRPC streams; Flower messages start (and end) the nodes' sessions.
 
     Only the ``split`` op streams; every other op (e.g. ``split-info``) goes through
     Flower messages (:class:`FlowerTransport`). The step of an exchange is read from the
     envelopes' ``split-step``/``split-iters`` (the runtime's protocol, see
     :mod:`split_layer.runtime`).
+
+    **Sessions** (``StreamOptions.session``). A node's session starts with one Flower
+    message (the step-1 message of a round, with the endpoint and a fresh token) and holds
+    one gRPC stream. With ``round`` it ends with that round: the final bottom is the Flower
+    reply. With ``run`` it spans rounds: the final bottom comes back over the stream, the
+    node then waits on the stream, and a later round starts with a ``round`` frame carrying
+    the round's config and the bottom (+ extras) instead of a Flower message; the session
+    ends with ``bye`` when the run ends (:meth:`close`), and the ClientApp then returns its
+    Flower reply. A node that is dropped (broken stream, error, timeout, bad payload) loses
+    its session and gets a new one, by a Flower message, the next round it is sampled; so
+    does a node joining late. ``auto``: ``run`` unless a simulation cannot run every node's
+    ClientApp at once (idle sessions hold a Ray actor each), then ``round``.
     """
 
     def __init__(self, strategy, grid, opts: StreamOptions) -> None:
         self.strategy, self.grid, self.opts = strategy, grid, opts
         self.flower = FlowerTransport(strategy, grid)
         self.server: _Server | None = None
-        self.msg_of: dict[int, str] = {}    # node -> id of its start message
-        self.alive: set[int] = set()
-        self.broken: dict[int, str] = {}    # node -> why its stream ended
-        self.replied: set[int] = set()      # nodes whose Flower reply was pulled (pull once only)
+        self.spans: bool | None = None       # sessions span rounds (decided at the first round)
+        self.msg_of: dict[int, str] = {}     # node -> id of the Flower message that started its session
+        self.born: dict[int, float] = {}     # node -> when its session started (monotonic)
+        self.alive: set[int] = set()         # nodes of the exchange under way
+        self.live: set[int] = set()          # nodes with an open session, idle between visits
+        self.broken: dict[int, str] = {}     # node -> why its stream ended
+        self.replied: set[int] = set()       # nodes whose Flower reply was pulled (pull once only)
         self._early: dict[int, Message] = {}  # good replies pulled before the round's end
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, node: int, why: str) -> None:
         if node in self.alive:
             self.alive.discard(node)
+            self.live.discard(node)
             self.strategy._drop(node, why)
             if self.server is not None:
                 self.server.end(node, cancel=True)
 
     def _pull_replies(self) -> None:
-        """Pull the replies to the start messages: an error means the ClientApp died (drop the
-        node now); a good one is the node's final reply."""
-        ids = {self.msg_of[n]: n for n in self.alive if n not in self.replied}
+        """Pull the replies to the session messages of the nodes under way: an error means the
+        ClientApp died (drop the node now); a good one is the node's final reply (a session
+        of one round) or, for a session that spans rounds, its unexpected end."""
+        ids = {self.msg_of[n]: n for n in self.alive if n not in self.replied and n in self.msg_of}
         if not ids:
             return
         for r in self.grid.pull_messages(list(ids)):
@@ -537,6 +651,8 @@ class StreamTransport(Transport):
             self.replied.add(node)  # a reply is pulled once; asking again is an error in Flower
             if r.has_error():
                 self._drop(node, f"ClientApp error: {(r.error.reason or '')[:500]}")
+            elif self.spans:
+                self._drop(node, "its ClientApp ended the session in the middle of a round")
             else:
                 self._early[node] = r
 
@@ -564,6 +680,7 @@ class StreamTransport(Transport):
                 continue
             if kind == "closed":
                 self.broken.setdefault(node, str(payload))
+                self.live.discard(node)
                 continue
             if node not in waiting:
                 continue
@@ -575,6 +692,20 @@ class StreamTransport(Transport):
                 self._drop(node, str(e))
                 continue
             got[node] = (header, tensors)
+
+    def _reap(self) -> None:
+        """Take in what happened to idle sessions since the last exchange (a stream that broke
+        between rounds): such a node gets a new session when it is next sampled."""
+        while True:
+            try:
+                node, kind, payload = self.server.events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "closed":
+                self.live.discard(node)
+                if node not in self.alive:
+                    log(INFO, "split stream: node %s's idle session ended (%s); it gets a new one when sampled",
+                        node, payload)
 
     # ------------------------------------------------------------------ the protocol
     def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
@@ -597,32 +728,106 @@ class StreamTransport(Transport):
             return {n: Envelope(tensors=t) for n, (h, t) in self._collect(set(out), f"streams of step {step}").items()}
         return self._finish(set(out))
 
+    def decide_spans(self, nodes: list[int]) -> bool:
+        """Whether sessions span rounds (``StreamOptions.session``; see the class docstring)."""
+        if self.opts.session == "round":
+            return False
+        seen = [(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0)))
+                for i in (getattr(self.strategy, "info", {}).get(n, {}) for n in nodes)]
+        seen = [(a, t) for a, t in seen if a > 0 and t > 0]
+        if not seen:
+            return True  # a deployment: every SuperNode runs its own ClientApp
+        actors, threads = min(a for a, _ in seen), min(t for _, t in seen)
+        total = len(self.grid.get_node_ids())
+        if total <= min(actors, threads):
+            return True
+        if self.opts.session == "run":
+            raise StreamConfigError(
+                f"split-stream-session='run' keeps a ClientApp running on each of the {total} nodes, but this "
+                f"simulation runs at most {min(actors, threads)} at once ({actors} Ray actors, {threads} Flower "
+                f"worker threads): use split-stream-session='auto' or 'round', or give Ray more logical CPUs "
+                f"(init-args-num-cpus) per ClientApp")
+        log(INFO, "split stream: one session per round (this simulation runs at most %d ClientApps at once, "
+            "fewer than its %d nodes)", min(actors, threads), total)
+        return False
+
+    def _open_server(self, out: dict[int, Envelope], iters: int) -> None:
+        if self.spans:  # one server for the run: bound by the largest frame any round can carry
+            bound = max(self.max_frame(list(out), largest=True),
+                        2 * max(nbytes_arrays(e.arrays) for e in out.values()) + FRAME_MARGIN)
+            nodes = len(self.grid.get_node_ids())
+            self.server = _Server(self.opts, [], max_frame=bound, lifetime=SESSION_MAX_S,
+                                  workers=2 * max(nodes, len(out)) + 8)
+        else:
+            self.server = _Server(self.opts, [], max_frame=self.max_frame(list(out)),
+                                  lifetime=self.opts.timeout * (iters + 2))
+        log(INFO, "split stream on %s (%s), sessions %s", self.server.address,
+            "TLS" if self.server.tls else "plaintext", "span rounds" if self.spans else "of one round")
+
     def _start(self, server_round: int, out: dict[int, Envelope]) -> dict[int, Envelope]:
         self.check_concurrency(list(out))
-        self.close()
         iters = int(next(iter(out.values())).config.get("split-iters", 1))
-        self.server = _Server(self.opts, sorted(out), max_frame=self.max_frame(list(out)),
-                              lifetime=self.opts.timeout * (iters + 2))
-        self._early, self.broken, self.replied = {}, {}, set()
-        msgs = []
+        if self.spans is None:
+            self.spans = self.decide_spans(list(out))
+        if not self.spans:
+            self.close()
+        if self.server is None:
+            self._open_server(out, iters)
+        self._reap()
+        self._early = {}
+        now = time.monotonic()
+        msgs, resumed = [], 0
         for n, env in out.items():
-            extra = {STREAM_KEYS["address"]: self.server.address, STREAM_KEYS["token"]: self.server.sessions[n].token,
+            self.broken.pop(n, None)
+            if n in self.live and now - self.born.get(n, now) < SESSION_MAX_S:
+                content = self.strategy.base_content(server_round, op="split", **env.config)
+                table, tensors = pack_arrays(env.arrays)
+                head = {"round": int(server_round), "arrays": table,
+                        "config": config_to_json(dict(content.config_records[_CONFIG_KEY]))}
+                self.server.send(n, encode(head, tensors))
+                resumed += 1
+                continue
+            if n in self.live:  # too old for Flower's message TTL: end it, start a new one
+                self.server.send(n, encode({"bye": True}))
+                self.server.end(n)
+            sess = self.server.open(n)
+            extra = {STREAM_KEYS["address"]: self.server.address, STREAM_KEYS["token"]: sess.token,
                      STREAM_KEYS["node"]: int(n),
                      STREAM_KEYS["cert"]: self.server.cert, STREAM_KEYS["timeout"]: float(self.opts.timeout),
-                     STREAM_KEYS["max-frame"]: int(self.server.max_frame)}
+                     STREAM_KEYS["max-frame"]: int(self.server.max_frame),
+                     STREAM_KEYS["session"]: int(bool(self.spans)), STREAM_KEYS["idle"]: float(SESSION_MAX_S)}
             content = _fill(self.strategy.base_content(server_round, op="split", **env.config, **extra), env)
             msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(server_round)))
-        ids = self.grid.push_messages(msgs)
-        self.msg_of = {m.metadata.dst_node_id: mid for m, mid in zip(msgs, ids)}
+        self.live -= set(out)
+        if msgs:
+            for m, mid in zip(msgs, self.grid.push_messages(msgs)):
+                n = m.metadata.dst_node_id
+                self.msg_of[n], self.born[n] = mid, now
+                self.replied.discard(n)
         self.alive = set(out)
-        log(INFO, "round %s: split stream on %s (%s), %d node(s)", server_round, self.server.address,
-            "TLS" if self.server.tls else "plaintext", len(out))
+        log(INFO, "round %s: split stream, %d node(s): %d new session(s) by Flower message, %d over the stream",
+            server_round, len(out), len(msgs), resumed)
         got = self._collect(set(out), "streams of step 1")
         return {n: Envelope(tensors=t) for n, (h, t) in got.items()}
 
     def _finish(self, nodes: set[int]) -> dict[int, Envelope]:
-        """After the final gradients: the final bottoms come back as Flower replies."""
-        out: dict[int, Envelope] = {}
+        """After the final gradients: the final bottoms come back, as Flower replies (sessions
+        of one round) or as a ``final`` frame on the stream (sessions that span rounds)."""
+        if self.spans:
+            out: dict[int, Envelope] = {}
+            for n, (h, t) in self._collect(nodes, "final weights").items():
+                try:
+                    if not h.get("final"):
+                        raise StreamError(f"expected the final weights, got a frame with header {sorted(h)}")
+                    out[n] = Envelope(arrays=unpack_arrays(h.get("arrays"), t),
+                                      metrics=metrics_from_json(h.get("metrics", {})),
+                                      config=config_from_json(h.get("config", {})))
+                except StreamError as e:
+                    self._drop(n, f"bad final frame: {e}")
+            self.alive -= set(out)
+            self.live |= set(out)
+            return out
+        out = {}
         deadline = time.monotonic() + self.opts.timeout
         while True:
             for n, r in list(self._early.items()):
@@ -640,10 +845,11 @@ class StreamTransport(Transport):
         self.close()
         return out
 
-    def max_frame(self, nodes: list[int]) -> int:
-        """The round's message bound: the largest frame any of ``nodes`` may send, from the
-        strategy's ``stream_specs`` (gradients down are never larger than the streams up)."""
-        specs = getattr(self.strategy, "stream_specs", None)
+    def max_frame(self, nodes: list[int], largest: bool = False) -> int:
+        """The message bound: the largest frame any of ``nodes`` may send, from the strategy's
+        ``stream_specs`` (gradients down are never larger than the streams up); ``largest``:
+        at the largest batch a node can be given in any round (``largest_stream_specs``)."""
+        specs = getattr(self.strategy, "largest_stream_specs" if largest else "stream_specs", None)
         if specs is None:
             return DEFAULT_MAX_FRAME
         return max(max_frame_bytes(specs(n)) for n in nodes)
@@ -658,10 +864,46 @@ class StreamTransport(Transport):
         if len(nodes) > min(actors, threads):
             raise StreamConfigError(concurrency_error(len(nodes), actors, threads))
 
-    def close(self) -> None:
+    def end_round(self) -> None:
+        """After a round: sessions of one round end here; sessions that span rounds stay open,
+        except those cut short in the middle of the round (a skipped round), which are cancelled."""
+        if not self.spans:
+            self.close()
+            return
         if self.server is not None:
-            self.server.stop()
-            self.server = None
+            for n in sorted(self.alive):
+                self.server.end(n, cancel=True)
+        self.alive = set()
+
+    def close(self, wait: float = 30.0) -> None:
+        """End every session (``bye`` to the idle ones, whose ClientApps then return their
+        Flower replies; waited for up to ``wait`` s) and stop the server."""
+        if self.server is None:
+            return
+        bye = sorted(self.live)
+        for n in bye:
+            self.server.send(n, encode({"bye": True}))
+            self.server.end(n)
+        for n in sorted(self.alive):
+            self.server.end(n, cancel=True)
+        ids = {self.msg_of[n]: n for n in bye if n in self.msg_of and n not in self.replied}
+        deadline = time.monotonic() + min(wait, self.opts.timeout)
+        while ids and time.monotonic() < deadline:
+            for r in self.grid.pull_messages(list(ids)):
+                n = ids.pop(r.metadata.reply_to_message_id, None)
+                self.replied.add(n)
+                if r.has_error():
+                    log(WARNING, "split stream: node %s's session ended with an error: %s", n,
+                        (r.error.reason or "")[:300])
+            if ids:
+                time.sleep(0.01)
+        self.live, self.alive = set(), set()
+        self.server.stop()
+        self.server = None
+
+
+def nbytes_arrays(arrays: dict[str, dict[str, np.ndarray]]) -> int:
+    return int(sum(np.asarray(v).nbytes for sd in arrays.values() for v in sd.values()))
 
 
 # --------------------------------------------------------------------------- client
@@ -716,16 +958,19 @@ class StreamClient:
         if self.call is None:
             self._start_call()
 
-    def recv(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def recv(self, wait: float | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The server's next frame, waiting at most ``wait`` seconds (default ``2 x timeout``;
+        a session waiting for its next round passes the session's idle limit)."""
         if self.call is None:
             raise StreamError("split stream: recv before the first send")
         late = threading.Event()
+        limit = self.recv_wait if wait is None else float(wait)
 
         def too_late() -> None:
             late.set()
             self.call.cancel()
 
-        timer = threading.Timer(self.recv_wait, too_late)
+        timer = threading.Timer(limit, too_late)
         timer.daemon = True
         timer.start()
         try:
@@ -735,7 +980,7 @@ class StreamClient:
         except grpc.RpcError as e:
             if late.is_set():
                 raise StreamError(f"split stream {self.address}: no frame from the server within "
-                                  f"{self.recv_wait:.0f} s") from None
+                                  f"{limit:.0f} s") from None
             raise StreamError(f"split stream {self.address}: {e.code().name}: {e.details()}") from None
         finally:
             timer.cancel()

@@ -61,8 +61,13 @@ class Transport(ABC):
         records them as dropped and logs why.
         """
 
+    def end_round(self) -> None:
+        """End of a round (also of a skipped one). Default: :meth:`close`; a transport whose
+        sessions span rounds keeps them open until :meth:`close`."""
+        self.close()
+
     def close(self) -> None:
-        """End of the round (also after a skipped or failed round): release what the transport holds."""
+        """End of the run, or of a failed round: release what the transport holds."""
 
 
 def _np_record(d: dict[str, np.ndarray]) -> ArrayRecord:

@@ -43,6 +43,7 @@ server's drop-and-continue path.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ from strategies.common import (ALGO_KEY, CONFIG_KEY, Env, client_env, derive_see
 from tasks.data import ArrayDataset
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
-from .stream import STREAM_KEYS, StreamClient, simulation_concurrency
+from .stream import (STREAM_KEYS, StreamClient, config_from_json, config_to_json, pack_arrays,
+                     simulation_concurrency, unpack_arrays)
 from .transport import Envelope, envelope_from_message, reply
 from .validation import SplitValidationError, TensorSpec, check_tensor
 
@@ -388,34 +390,40 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         return reply(msg, final_envelope(w, data, st))
 
     def stream_round(w: Worker, incoming: Envelope, cfg: dict[str, Any], st: RecordDict) -> Envelope:
-        """The whole round over the split stream (see :mod:`split_layer.stream`).
+        """The node's stream session (see :mod:`split_layer.stream`): this round, and, when the
+        session spans rounds (``split-stream-session``), every later round the server starts
+        on the stream, until it says ``bye``.
 
         One forward pass per step, with a graph that is kept until the step's gradients
         arrive (BatchNorm statistics are therefore updated once, as in the message path).
+        The data, the model and the environment are built once per session.
         """
-        begin(w, incoming, st)
-        if w.batch_size < 1 or w.iters < 1:
-            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
-        data = hooks.data(w)
+        spans = bool(int(cfg.get(STREAM_KEYS["session"], 0)))
+        idle = float(cfg.get(STREAM_KEYS["idle"], 0.0)) or None
         with _released(COMPUTE_LOCK):
             client = StreamClient(str(cfg[STREAM_KEYS["address"]]), str(cfg[STREAM_KEYS["token"]]),
                                   int(cfg[STREAM_KEYS["node"]]), str(cfg.get(STREAM_KEYS["cert"], "")),
                                   float(cfg.get(STREAM_KEYS["timeout"], 600.0)), frames=w.iters,
                                   max_frame=int(cfg.get(STREAM_KEYS["max-frame"], 0)))
+        rounds = 0
         try:
-            outs = run_forward(w, data, 1, grad=True)
-            client.send({"step": 1}, {k: _to_numpy(v) for k, v in outs.items()})
-            for step in range(2, w.iters + 2):
+            while True:
+                final = stream_visit(w, incoming, st, client)
+                rounds += 1
+                if not spans:
+                    return final
+                table, tensors = pack_arrays(final.arrays)
+                client.send({"final": True, "arrays": table, "metrics": final.metrics,
+                             "config": config_to_json(final.config)}, tensors)
                 with _released(COMPUTE_LOCK):
-                    header, grads = client.recv()
-                if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
-                    raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
-                check_fault(w, step)
-                grads = hooks.feedback(w, step - 1, dict(grads), batch_labels(w, data, step - 1))
-                apply(w, outs, grads, step - 1)
-                if step <= w.iters:
-                    outs = run_forward(w, data, step, grad=True)
-                    client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
+                    header, tensors = client.recv(wait=idle)
+                if header.get("bye"):
+                    return Envelope(metrics={"session-rounds": float(rounds)})
+                if "round" not in header:
+                    raise SplitProtocolError(f"split stream: expected a round or bye, got header {sorted(header)}")
+                w = next_round(w, {**cfg, **config_from_json(header.get("config"))})
+                incoming = Envelope(arrays=unpack_arrays(header.get("arrays"), tensors))
+                check_fault(w, 1)
         except Exception as e:
             try:  # tell the server why, then fail the Flower message as well
                 client.send({"error": f"{type(e).__name__}: {e}"[:1000]}, {})
@@ -424,6 +432,32 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
             raise
         finally:
             client.close()
+
+    def next_round(w: Worker, cfg: dict[str, Any]) -> Worker:
+        """The worker of the session's next round: same env, model and data, this round's config."""
+        return dataclasses.replace(w, rnd=int(cfg.get("server-round", 0)), iters=int(cfg.get("split-iters", 0)),
+                                   batch_size=int(cfg.get("split-batch", 0)), config=cfg, optimizer=None,
+                                   recomputing=False)
+
+    def stream_visit(w: Worker, incoming: Envelope, st: RecordDict, client: StreamClient) -> Envelope:
+        """One round's visit over the stream: steps 1..I, the final gradients; the final envelope."""
+        begin(w, incoming, st)
+        if w.batch_size < 1 or w.iters < 1:
+            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
+        data = hooks.data(w)
+        outs = run_forward(w, data, 1, grad=True)
+        client.send({"step": 1}, {k: _to_numpy(v) for k, v in outs.items()})
+        for step in range(2, w.iters + 2):
+            with _released(COMPUTE_LOCK):
+                header, grads = client.recv()
+            if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
+                raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
+            check_fault(w, step)
+            grads = hooks.feedback(w, step - 1, dict(grads), batch_labels(w, data, step - 1))
+            apply(w, outs, grads, step - 1)
+            if step <= w.iters:
+                outs = run_forward(w, data, step, grad=True)
+                client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
         return final_envelope(w, data, st)
 
     return {"split": split, "split-info": info}

@@ -156,6 +156,9 @@ class ScalaStrategy(SplitStrategy):
                 top = copy.deepcopy(self.top)
                 self.copies[n] = (top, make_sgd(top.parameters(), self.task))
 
+    def max_batch(self, node: int) -> int:
+        return int(self.cfg.total_batch)  # B_k <= B whatever the round's nodes
+
     def visit_groups(self, server_round: int, nodes: list[int]) -> list[list[int]]:
         """SplitFedV2 (``sequential``): every client alone, in a random order per round, seeded
         by ``(seed, round)`` (the same on a rerun or a resume); the other modes: the barrier."""

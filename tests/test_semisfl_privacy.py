@@ -82,11 +82,19 @@ def test_a_default_semisfl_run_sends_no_true_label(transport, monkeypatch):
         for rec_name in c.config_records.keys():
             assert not any("label" in k for k in c.config_records[rec_name].keys())
     for header, tensors in frames:
+        if header.get("final"):  # a session that spans rounds returns the final bottom on the stream
+            assert set(header) == {"final", "arrays", "metrics", "config"}, header
+            for i, (name, key) in enumerate(header["arrays"]):
+                assert not _integer(tensors[str(i)]) or key.endswith("num_batches_tracked"), (name, key)
+            assert not set(header["metrics"]) & set(PL_COUNTS) and not any("label" in k for k in header["metrics"])
+            assert not any("label" in k for k in header["config"])
+            continue
         assert set(tensors) <= {"student", "teacher"}, set(tensors)
         assert all(t.dtype == np.float32 for t in tensors.values())
         assert set(header) <= {"step", "node", "error"}, header
     if transport == "stream":
-        assert len(frames) == K * 2  # every frame of the round was seen (K_u = 2 per node)
+        # every frame of the round was seen (K_u = 2 per node), and each node's final weights
+        assert len(frames) == K * 3 and sum(bool(h.get("final")) for h, _ in frames) == K
     assert "impurity" not in m and "pseudo-label-accuracy" not in m and "bytes.metrics.up" not in m
     assert m["bytes.metrics.down"] == K * 2 * 8 * 3  # the pseudo-labels and masks went down, nothing came back
 

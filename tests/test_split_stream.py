@@ -121,7 +121,7 @@ def run_round(handler, owner=None, iters=3, timeout=10.0, opts=None, fail_nodes=
     owner = owner or Owner()
     grid = LocalGrid(K, handler, threaded=True)
     grid.fail_nodes = set(fail_nodes)
-    tr = StreamTransport(owner, grid, opts or StreamOptions(timeout=timeout))
+    tr = StreamTransport(owner, grid, opts or StreamOptions(timeout=timeout, session="round"))
     nodes = grid.get_node_ids()
     seen = []
     try:
@@ -150,7 +150,7 @@ def test_a_round_streams_every_step_and_ends_with_the_flower_reply():
 
 
 def test_tls_round_works_and_a_client_without_the_certificate_cannot_connect():
-    owner, seen = run_round(echo_handler(), opts=StreamOptions(timeout=10.0, tls="on"))
+    owner, seen = run_round(echo_handler(), opts=StreamOptions(timeout=10.0, tls="on", session="round"))
     assert owner.dropped == [] and len(seen[-1]) == K
 
     from split_layer.stream import _Server

@@ -133,7 +133,7 @@ def attacked_round(attack, port: int = 0, rnd: int = 1, state: dict | None = Non
     cleanup callable or None. Returns (owner, final replies, what attack returned)."""
     owner, gate, seen, result = Owner(), threading.Event(), {}, {}
     grid = LocalGrid(K, echo_handler(gate, seen), threaded=True)
-    tr = StreamTransport(owner, grid, StreamOptions(timeout=15.0, port=port))
+    tr = StreamTransport(owner, grid, StreamOptions(timeout=15.0, port=port, session="round"))
 
     def attacker():
         try:
