@@ -50,10 +50,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def config(args, transport: str = "message") -> dict:
-    return {"algo": "scala", "split-transport": transport, "round-timeout": 300.0, "num-rounds": args.rounds, "scala.local-iterations": args.iters,
-            "scala.total-batch": args.batch, "model": args.model, "seed": 0, "min-nodes": 2,
-            "fraction-train": 1.0, "partition": "quantity", "partition-classes-per-client": 4}
+def config(args, transport: str = "message", session: str = "auto") -> dict:
+    cfg = {"algo": "scala", "split-transport": transport, "round-timeout": 300.0, "num-rounds": args.rounds,
+           "scala.local-iterations": args.iters, "scala.total-batch": args.batch, "model": args.model, "seed": 0,
+           "min-nodes": 2, "fraction-train": 1.0, "partition": "quantity", "partition-classes-per-client": 4}
+    if transport == "stream":
+        cfg["split-stream-session"] = session
+    return cfg
+
+
+MODES = [("message", "auto", "message"), ("stream", "round", "stream, 1-round sessions"),
+         ("stream", "run", "stream, run-long sessions")]
 
 
 def rows_of(folder: Path) -> list[dict]:
@@ -68,10 +75,13 @@ def summarize(name: str, rows: list[dict], iters: int, seconds: float) -> dict:
     per_ex = [r["split-exchange-seconds"] / r["split-exchanges"] for r in later]
     inner = [r["split-inner-exchange-seconds"] / r["split-inner-exchanges"] for r in later
              if r.get("split-inner-exchanges")]
+    # everything of a round but its inner exchanges: the start and end exchanges (Flower round
+    # trips, or stream frames for a session that spans rounds), aggregation, evaluation
+    fixed = [r["round-seconds"] - r.get("split-inner-exchange-seconds", 0.0) for r in later]
     return {"name": name, "round_s": statistics.median(r["round-seconds"] for r in later),
             "exchange_s": statistics.median(per_ex), "inner_s": statistics.median(inner) if inner else float("nan"),
-            "first_round_s": rows[0]["round-seconds"],
-            "wall_s": seconds, "exchanges_per_round": iters + 1,
+            "fixed_s": statistics.median(fixed), "first_round_s": rows[0]["round-seconds"],
+            "wall_s": seconds, "exchanges_per_round": iters + 1, "rounds": len(rows),
             "bytes_per_round": rows[-1]["bytes.total"], "accuracy": rows[-1]["accuracy"]}
 
 
@@ -90,7 +100,9 @@ def run_local(cfg: dict, nodes: int, out: Path):
     torch.set_num_threads(max(1, int((os.cpu_count() or 1) / nodes)))
     full = {**fused_run_config(None), "results-dir": str(out), "run-name": "local", **cfg}
     t0 = time.time()
-    folder = run(LocalGrid(nodes, dispatch, full), full)
+    grid = LocalGrid(nodes, dispatch, full, threaded=full.get("split-transport") == "stream")
+    folder = run(grid, full)
+    grid.join()
     return folder, time.time() - t0
 
 
@@ -185,6 +197,12 @@ def max_weight_diff(a: Path, b: Path) -> float:
     return max(float((x[k].double() - y[k].double()).abs().max()) for k in x if x[k].numel())
 
 
+def semisfl_config(rounds: int) -> dict:
+    """Semi-SFL at its defaults (K_u = 50, K_s = 50 adaptive) over the stream, sessions 'auto'."""
+    return {"algo": "semisfl", "split-transport": "stream", "split-stream-session": "auto", "round-timeout": 300.0,
+            "num-rounds": rounds, "seed": 0, "min-nodes": 2}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=3)
@@ -193,8 +211,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--deployment", action="store_true", help="also run a local SuperLink + SuperNodes")
-    ap.add_argument("--deploy-rounds", type=int, default=2)
+    ap.add_argument("--deploy-rounds", type=int, default=4, help="rounds of the stream runs in the deployment part")
+    ap.add_argument("--deploy-message-rounds", type=int, default=2,
+                    help="rounds of the message-transport runs in the deployment part (each costs minutes)")
     ap.add_argument("--deploy-iters", type=int, default=4)
+    ap.add_argument("--semisfl-rounds", type=int, default=20,
+                    help="with --deployment: a Semi-SFL run (K_u = 50) of this many rounds in one process, in "
+                         "simulation and in the deployment, end to end (0 = skip)")
     ap.add_argument("--poll", type=float, default=0.05, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (deployment)")
     ap.add_argument("--out", default="", help="work folder (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -202,8 +225,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("FLWR_HOME", str(out / "flwr-home"))
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
-    cfg = config(args)
-
+    t_start = time.time()
     results, pairs = [], []
 
     def measure(name, folder, seconds, base_folder, iters):
@@ -213,59 +235,89 @@ def main(argv=None) -> int:
         results.append(r)
         return r
 
+    # ---- simulation vs one process
     local_folder, t = run_local(config(args), args.nodes, out)
     local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)
     folders = {}
-    for tr in ("message", "stream"):
-        folders[tr], t = run_sim(config(args, tr), args.nodes, out, f"simulation-{tr}")
-        pairs.append((local, measure(f"simulation, {tr}", folders[tr], t, local_folder, args.iters), args.iters))
-    results[-1]["max_weight_diff_vs_message"] = max_weight_diff(folders["stream"], folders["message"])
+    for tr, sess, label in MODES:
+        folders[label], t = run_sim(config(args, tr, sess), args.nodes, out, f"simulation-{tr}-{sess}")
+        pairs.append((local, measure(f"simulation, {label}", folders[label], t, local_folder, args.iters), args.iters))
+    semisfl = []
     if args.deployment:
         from tests.deploy_harness import Deployment
 
-        dcfg = {"num-rounds": args.deploy_rounds, "scala.local-iterations": args.deploy_iters}
-        dlocal_folder, t = run_local({**config(args), **dcfg}, args.nodes, out / "dlocal")
-        dlocal = measure("in-process, deployment config", dlocal_folder, t, None, args.deploy_iters)
-        dsim = {}
-        for tr in ("message", "stream"):
-            folder, t = run_sim({**config(args, tr), **dcfg}, args.nodes, out / "dsim", f"dsim-{tr}")
-            dsim[tr] = measure(f"simulation, {tr}, depl. config", folder, t, dlocal_folder, args.deploy_iters)
+        drounds = {"message": args.deploy_message_rounds, "stream": args.deploy_rounds}
+        dlocal, dlocal_folder, dsim = {}, {}, {}
+        for tr, rounds in drounds.items():
+            dcfg = {"num-rounds": rounds, "scala.local-iterations": args.deploy_iters}
+            dlocal_folder[tr], t = run_local({**config(args), **dcfg}, args.nodes, out / f"dlocal-{tr}")
+            dlocal[tr] = measure(f"in-process, deployment config, {rounds} rounds", dlocal_folder[tr], t, None,
+                                 args.deploy_iters)
+        for tr, sess, label in MODES:
+            dcfg = {"num-rounds": drounds[tr], "scala.local-iterations": args.deploy_iters}
+            folder, t = run_sim({**config(args, tr, sess), **dcfg}, args.nodes, out / "dsim", f"dsim-{tr}-{sess}")
+            dsim[label] = measure(f"simulation, {label}, depl. config", folder, t, dlocal_folder[tr],
+                                  args.deploy_iters)
         with Deployment(out / "deploy", num_nodes=args.nodes, poll_interval=args.poll) as dep:
             dfolders = {}
-            for tr in ("message", "stream"):
-                dfolders[tr], t = run_deploy(dep, {**config(args, tr), **dcfg}, f"deployment-{tr}")
-                r = measure(f"deployment, {tr}", dfolders[tr], t, dlocal_folder, args.deploy_iters)
-                r["round_vs_simulation"] = r["round_s"] / dsim[tr]["round_s"]
-                pairs.append((dlocal, r, args.deploy_iters))
-            r["max_weight_diff_vs_message"] = max_weight_diff(dfolders["stream"], dfolders["message"])
+            for tr, sess, label in MODES:
+                dcfg = {"num-rounds": drounds[tr], "scala.local-iterations": args.deploy_iters}
+                dfolders[label], t = run_deploy(dep, {**config(args, tr, sess), **dcfg}, f"deployment-{tr}-{sess}")
+                r = measure(f"deployment, {label}", dfolders[label], t, dlocal_folder[tr], args.deploy_iters)
+                r["round_vs_simulation"] = r["round_s"] / dsim[label]["round_s"]
+                pairs.append((dlocal[tr], r, args.deploy_iters))
+            if args.semisfl_rounds:
+                scfg = semisfl_config(args.semisfl_rounds)
+                f_local, t_local = run_local(scfg, args.nodes, out / "semisfl-local")
+                f_sim, t_sim = run_sim(scfg, args.nodes, out / "semisfl-sim", "semisfl-sim")
+                f_dep, t_dep = run_deploy(dep, scfg, "semisfl-deployment")
+                for name, f, t in (("in-process", f_local, t_local), ("simulation", f_sim, t_sim),
+                                   ("deployment", f_dep, t_dep)):
+                    rows = rows_of(f)
+                    semisfl.append({"name": f"semisfl {name}", "wall_s": t, "rounds": len(rows),
+                                    "round_s": statistics.median(r["round-seconds"] for r in rows[1:] or rows),
+                                    "first_round_s": rows[0]["round-seconds"], "accuracy": rows[-1]["accuracy"],
+                                    "max_weight_diff_vs_local": max_weight_diff(f, f_local)})
+                results.extend(semisfl)
     act = (args.batch // args.nodes, 32, 14, 14) if args.model == "cnn" else (args.batch // args.nodes, 128)
     echo_s = stream_echo(args.nodes, act, 20)
     tiny_s = stream_echo(args.nodes, (1, 10), 20)
 
     print(f"\nsplit overhead: scala, {args.nodes} nodes, model={args.model}, B={args.batch}; medians over "
           f"rounds 2..R (round 1 has startup). An exchange = gradients to every node and their next "
-          f"activations back, client compute included; 'inner' = steps 2..I only.")
-    print(f"{'runtime, transport':34s} {'I':>3s} {'round s':>8s} {'s/inner exch':>12s} {'overhead ms':>12s} "
-          f"{'ratio':>6s} {'round/sim':>9s} {'|dw| local':>10s} {'|dw| msg':>9s}")
+          f"activations back, client compute included; 'inner' = steps 2..I only; 'fixed' = a round's time "
+          f"outside its inner exchanges (start and end of the round, aggregation, evaluation).")
+    print(f"{'runtime, transport':48s} {'I':>3s} {'R':>3s} {'round s':>8s} {'fixed s':>8s} {'s/inner exch':>12s} "
+          f"{'overhead ms':>12s} {'ratio':>6s} {'round/sim':>9s} {'|dw| local':>10s}")
     shown = set()
     for base, r, iters in pairs:
         if base["name"] not in shown:
             shown.add(base["name"])
-            print(f"{base['name']:34s} {iters:3d} {base['round_s']:8.2f} {base['inner_s']:12.4f}")
+            print(f"{base['name']:48s} {iters:3d} {base['rounds']:3d} {base['round_s']:8.2f} {base['fixed_s']:8.2f} "
+                  f"{base['inner_s']:12.4f}")
         over = (r["inner_s"] - base["inner_s"]) * 1000
         ratio = r["inner_s"] / base["inner_s"]
         rs = f"{r['round_vs_simulation']:9.2f}" if "round_vs_simulation" in r else f"{'':9s}"
-        vm = f"{r['max_weight_diff_vs_message']:9.2e}" if "max_weight_diff_vs_message" in r else f"{'':9s}"
-        print(f"{r['name']:34s} {iters:3d} {r['round_s']:8.2f} {r['inner_s']:12.4f} {over:12.1f} {ratio:6.2f} "
-              f"{rs} {r['max_weight_diff_vs_local']:10.2e} {vm}")
+        print(f"{r['name']:48s} {iters:3d} {r['rounds']:3d} {r['round_s']:8.2f} {r['fixed_s']:8.2f} "
+              f"{r['inner_s']:12.4f} {over:12.1f} {ratio:6.2f} {rs} {r['max_weight_diff_vs_local']:10.2e}")
+    for label, r in dsim.items() if args.deployment else ():
+        print(f"  (simulation, {label}, depl. config: {r['round_s']:.2f} s/round, fixed {r['fixed_s']:.2f} s, "
+              f"|dw| local {r['max_weight_diff_vs_local']:.2e})")
     print(f"stream echo (no compute), {args.nodes} nodes, float32{list(act)} each way: "
           f"{echo_s * 1000:.2f} ms per exchange; tiny frames: {tiny_s * 1000:.2f} ms")
-    print("|dw| local: largest weight difference to the in-process run (ClientApps with another intra-op "
-          "thread count differ in the last bits, which training amplifies); |dw| msg: stream vs message "
-          "transport in the same runtime.")
+    if semisfl:
+        sim_wall = next(r["wall_s"] for r in semisfl if r["name"] == "semisfl simulation")
+        print(f"\nSemi-SFL end to end ({args.semisfl_rounds} rounds, K_u = 50, stream, sessions 'auto'); wall = "
+              f"the whole run (simulation: run_simulation with Ray start; deployment: `flwr run --stream` against "
+              f"the running SuperLink and SuperNodes):")
+        for r in semisfl:
+            print(f"  {r['name']:24s} wall {r['wall_s']:8.1f} s ({r['wall_s'] / sim_wall:5.2f}x simulation)  "
+                  f"round 1 {r['first_round_s']:6.2f} s, median round {r['round_s']:6.2f} s  acc {r['accuracy']:.4f}  "
+                  f"|dw| local {r['max_weight_diff_vs_local']:.2e}")
+    print("|dw| local: largest weight difference to the in-process run of the same config.")
     results.append({"name": "stream echo", "exchange_s": echo_s, "shape": list(act), "tiny_exchange_s": tiny_s})
     (out / "split_overhead.json").write_text(json.dumps(results, indent=1))
-    print(f"\nraw numbers: {out / 'split_overhead.json'}")
+    print(f"\nbench wall time {time.time() - t_start:.0f} s; raw numbers: {out / 'split_overhead.json'}")
     return 0
 
 

@@ -14,14 +14,23 @@ Every source is turned into a :class:`ArrayDataset`: ``x`` uint8 ``[N, C, H, W]`
 and ``y`` int64 ``[N]``. A held-out test split comes from the dataset's own test
 split when it has one, otherwise from a stratified, seeded hold-out of
 ``test_fraction`` of the data.
+
+Decoded arrays are cached on disk (:func:`cached_arrays`): in a deployment every message
+runs in a fresh ClientApp process, which would otherwise parse the CSV or decode every
+image of a Hugging Face dataset again for each message.
 """
 from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
+import json
+import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -92,15 +101,77 @@ def embedded_mnist5k_path() -> Path:
     return path
 
 
+# --------------------------------------------------------------------------- disk cache
+CACHE_ENV = "FLOWER_SSL_DATA_CACHE"   # a folder, or "off"
+_CACHE_VERSION = 1
+_log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path | None:
+    """Where decoded datasets are cached: ``$FLOWER_SSL_DATA_CACHE``, else
+    ``$XDG_CACHE_HOME/flower-ssl/datasets`` (``~/.cache/...``); ``None`` when the variable
+    is ``off`` (or ``0``/``false``/``none``)."""
+    v = os.environ.get(CACHE_ENV, "").strip()
+    if v.lower() in ("off", "0", "false", "none"):
+        return None
+    if v:
+        return Path(os.path.expanduser(v))
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flower-ssl" / "datasets"
+
+
+def source_fingerprint(path: Path) -> list:
+    """(relative path, size, mtime) of a file or of every file under a folder: a changed
+    source gets another cache entry."""
+    if path.is_file():
+        st = path.stat()
+        return [[path.name, st.st_size, st.st_mtime_ns]]
+    out = []
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        st = f.stat()
+        out.append([str(f.relative_to(path)), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def cached_arrays(key: dict, build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``build()`` (named numpy arrays), read from the disk cache when an entry for ``key``
+    exists, else built and written there atomically (a half-written or unreadable entry is
+    rebuilt; a cache that cannot be written is skipped with a log line)."""
+    folder = cache_dir()
+    if folder is None:
+        return build()
+    digest = hashlib.sha256(json.dumps([_CACHE_VERSION, key], sort_keys=True, default=str).encode()).hexdigest()
+    path = folder / f"{digest[:32]}.npz"
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except Exception as e:  # noqa: BLE001 - a damaged entry: rebuild it
+            _log.warning("dataset cache entry %s unreadable (%s); rebuilding it", path, e)
+    arrays = build()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.warning("dataset cache %s not written (%s); set %s=off to skip it", folder, e, CACHE_ENV)
+    return arrays
+
+
 @functools.lru_cache(maxsize=1)
 def _load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
-    import pandas as pd
+    src = embedded_mnist5k_path()
 
-    with gzip.open(embedded_mnist5k_path(), "rt") as fh:
-        arr = pd.read_csv(fh, header=None).to_numpy()
-    x = arr[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28)
-    y = arr[:, -1].astype(np.int64)
-    return x, y
+    def build() -> dict[str, np.ndarray]:
+        import pandas as pd
+
+        with gzip.open(src, "rt") as fh:
+            arr = pd.read_csv(fh, header=None).to_numpy()
+        return {"x": arr[:, :-1].astype(np.uint8).reshape(-1, 1, 28, 28), "y": arr[:, -1].astype(np.int64)}
+
+    a = cached_arrays({"embedded": "mnist5k", "source": source_fingerprint(src)}, build)
+    return a["x"], a["y"]
 
 
 def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -237,17 +308,30 @@ def _load_dataset_cached(name, seed, test_fraction, split, image_key, label_key)
         tr, te = stratified_holdout(y, test_fraction, seed)
         return DatasetBundle(name, ArrayDataset(x[tr], y[tr]), ArrayDataset(x[te], y[te]), 10)
 
-    splits = _load_raw_splits(name, split)
-    if split:
-        if split not in splits:
-            raise DatasetError(f"dataset-split='{split}' not in {sorted(splits)}")
-        splits = {"train": splits[split]}
-    train_key = "train" if "train" in splits else sorted(splits)[0]
-    train, n_cls = hf_to_arrays(splits[train_key], image_key, label_key)
-    if "test" in splits and train_key != "test":
-        test, _ = hf_to_arrays(splits["test"], image_key, label_key)
+    def build() -> dict[str, np.ndarray]:
+        splits = _load_raw_splits(name, split)
+        if split:
+            if split not in splits:
+                raise DatasetError(f"dataset-split='{split}' not in {sorted(splits)}")
+            splits = {"train": splits[split]}
+        train_key = "train" if "train" in splits else sorted(splits)[0]
+        train, n_cls = hf_to_arrays(splits[train_key], image_key, label_key)
+        out = {"train_x": train.x, "train_y": train.y, "num_classes": np.int64(n_cls or 0)}
+        if "test" in splits and train_key != "test":
+            test, _ = hf_to_arrays(splits["test"], image_key, label_key)
+            out.update(test_x=test.x, test_y=test.y)
+        return out
+
+    # a local source is keyed by its files; a hub id by its name (clear the cache if it changes)
+    path = Path(os.path.expanduser(name))
+    source = ({"path": str(path.resolve()), "files": source_fingerprint(path)} if path.exists()
+              else {"hub": str(name)})
+    a = cached_arrays({"source": source, "split": split, "image-key": image_key, "label-key": label_key}, build)
+    train = ArrayDataset(a["train_x"], a["train_y"])
+    if "test_x" in a:
+        test = ArrayDataset(a["test_x"], a["test_y"])
     else:
         tr, te = stratified_holdout(train.y, test_fraction, seed)
         train, test = train.subset(tr), train.subset(te)
-    num_classes = n_cls or int(max(train.y.max(), test.y.max()) + 1)
+    num_classes = int(a["num_classes"]) or int(max(train.y.max(), test.y.max()) + 1)
     return DatasetBundle(str(name), train, test, num_classes)

@@ -11,6 +11,14 @@ if str(ROOT) not in sys.path:
 # Never phone home, never write to the real ~/.flwr or /tmp/ray from tests.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# decoded datasets are cached in a folder of this test session, not in ~/.cache (tasks/data.py)
+if "FLOWER_SSL_DATA_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["FLOWER_SSL_DATA_CACHE"] = tempfile.mkdtemp(prefix="flower-ssl-data-cache-")
+    atexit.register(shutil.rmtree, os.environ["FLOWER_SSL_DATA_CACHE"], True)
 
 
 @pytest.fixture()

@@ -78,3 +78,53 @@ def test_hub_id_offline_gives_clear_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(DatasetError, match="could not be loaded through flwr-datasets.*mnist5k"):
         load_dataset("no-such-user/no-such-dataset-xyz")
+
+
+def test_decoded_datasets_are_cached_on_disk_keyed_by_their_source(tmp_path, monkeypatch):
+    """A fresh ClientApp process (every message in a deployment) reads the decoded arrays
+    from the disk cache instead of decoding the dataset again; a changed source, a damaged
+    entry or ``FLOWER_SSL_DATA_CACHE=off`` rebuild."""
+    from tasks import data
+
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "cache"))
+    dd, _ = _make_hf(tmp_path, 3)
+    dd.save_to_disk(str(tmp_path / "saved"))
+    builds = []
+    real = data.hf_to_arrays
+    monkeypatch.setattr(data, "hf_to_arrays", lambda *a, **k: builds.append(1) or real(*a, **k))
+
+    def load():
+        data._load_dataset_cached.cache_clear()   # as a new process
+        return load_dataset(str(tmp_path / "saved"), seed=0)
+
+    a = load()
+    assert len(builds) == 2 and len(list((tmp_path / "cache").glob("*.npz"))) == 1   # train + test decoded once
+    b = load()
+    assert len(builds) == 2                                                          # read from the cache
+    assert np.array_equal(a.train.x, b.train.x) and np.array_equal(a.test.y, b.test.y)
+    assert (b.num_classes, len(b.train), len(b.test)) == (4, 40, 8)
+    (entry,) = (tmp_path / "cache").glob("*.npz")
+    entry.write_bytes(b"not an npz")                                                  # damaged: rebuilt
+    c = load()
+    assert len(builds) == 4 and np.array_equal(c.train.x, a.train.x)
+    dd["train"].select(range(20)).save_to_disk(str(tmp_path / "saved" / "train"))     # the source changed
+    d = load()
+    assert len(builds) == 6 and len(d.train) == 20
+    monkeypatch.setenv(data.CACHE_ENV, "off")
+    load()
+    assert len(builds) == 8 and len(list((tmp_path / "cache").glob("*.npz"))) == 2
+
+
+def test_the_embedded_dataset_is_cached_too(tmp_path, monkeypatch):
+    from tasks import data
+
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "c"))
+    data._load_mnist5k.cache_clear()
+    x, y = data._load_mnist5k()
+    assert len(list((tmp_path / "c").glob("*.npz"))) == 1
+    data._load_mnist5k.cache_clear()
+    import pandas  # noqa: F401  (imported by the first build; the cached load must not need it)
+    monkeypatch.setitem(__import__("sys").modules, "pandas", None)   # importing pandas now fails
+    x2, y2 = data._load_mnist5k()
+    assert np.array_equal(x, x2) and np.array_equal(y, y2) and x2.shape == (5000, 1, 28, 28)
+    data._load_mnist5k.cache_clear()
