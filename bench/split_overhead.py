@@ -146,7 +146,7 @@ def stream_echo(nodes: int, shape: tuple[int, ...], reps: int) -> float:
     without computing."""
     import numpy as np
 
-    from split_layer.stream import STREAM_KEYS, StreamClient, StreamOptions, StreamTransport
+    from split_layer.stream import STREAM_KEYS, StreamOptions, StreamTransport
     from split_layer.transport import Envelope, LocalGrid, reply
 
     class Owner:  # the few strategy methods the transport uses

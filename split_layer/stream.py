@@ -84,7 +84,7 @@ from typing import Any, Iterator
 
 import grpc
 import numpy as np
-from flwr.app import ConfigRecord, Message
+from flwr.app import Message
 from flwr.common import log
 
 from .transport import _CONFIG_KEY, Envelope, FlowerTransport, Transport, _fill, envelope_from_message

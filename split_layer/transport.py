@@ -203,7 +203,7 @@ class LocalGrid:
             if self.fail_if is not None and self.fail_if(m, self.contexts[node]):
                 raise RuntimeError("injected failure (LocalGrid.fail_if)")
             r = self.handler(m, self.contexts[node])
-        except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
+        except Exception:  # noqa: BLE001 - mirrors Flower's error reply
             import traceback
 
             tb = traceback.format_exc()  # as Ray wraps it: ClientAppException(str(RayTaskError))

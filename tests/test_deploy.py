@@ -4,7 +4,8 @@ One deployment, the one a careful user runs on devices: TLS (certificates made h
 openssl) and SuperNode authentication (``--enable-supernode-auth``: the three nodes' public
 keys registered with ``flwr supernode register``; a fourth, unregistered node is refused and
 the runs go on without it). On it: ``scala`` over the TLS-encrypted gRPC stream (a split
-algorithm: Flower starts and ends the round, the stream carries the iterations), and a bad
+algorithm: one Flower message per node starts a stream session that carries every round's
+iterations and weights), and a bad
 run config as ``flwr run`` reports it. Every process is killed by PID at the end, also on
 failure, and the fixture checks that none is left.
 
@@ -55,10 +56,14 @@ def test_an_unregistered_supernode_is_refused(deployment):
     assert dep.online_nodes() == 3
 
 
-def test_split_round_over_the_tls_stream(deployment):
+def test_split_rounds_over_the_tls_stream_in_one_session(deployment):
+    """Two rounds of ``scala`` over the TLS stream with the default ``split-stream-session='auto'``
+    (a deployment: sessions span the run): each SuperNode starts two ClientApp processes for
+    the whole run (``split-info``, then the session), round 2 starts on the stream."""
     dep = deployment
     case = "scala-stream"
-    cfg = {**COMMON, **SCALA_STREAM, "results-dir": "results"}  # relative on purpose
+    before = {i: dep.log(f"supernode{i}.out").count("Start `flwr-clientapp` process") for i in range(3)}
+    cfg = {**COMMON, **SCALA_STREAM, "num-rounds": 2, "results-dir": "results"}  # relative on purpose
     res = dep.run(cfg, case, timeout=900)
     assert res.proc.returncode == 0, (res.output[-4000:], dep.diagnose())
     # where a relative results-dir lands: $FLOWER_SSL_HOME if the SuperLink has it, else
@@ -67,11 +72,15 @@ def test_split_round_over_the_tls_stream(deployment):
     assert folder.is_dir(), f"no run folder at {folder}\n{res.output[-3000:]}"
     assert "results written to" in res.output, res.output[-3000:]
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["participants"] == 3 and r["dropped"] == [] and not r.get("skipped") for r in rows), \
+        (rows, dep.diagnose())
     r = rows[0]
-    assert r["participants"] == 3 and r["dropped"] == [] and not r.get("skipped"), (r, dep.diagnose())
+    after = {i: dep.log(f"supernode{i}.out").count("Start `flwr-clientapp` process") for i in range(3)}
+    assert {i: after[i] - before[i] for i in range(3)} == {0: 2, 1: 2, 2: 2}, (before, after)
+    assert "round 2: split stream, 3 node(s): 0 new session(s) by Flower message, 3 over the stream" in res.output
     assert r["bytes.total"] > 0 and math.isfinite(r["accuracy"]) and 0.0 <= r["accuracy"] <= 1.0
-    # the stream carried the iterations (TLS), Flower the round's start and end
+    # the stream carried the iterations (TLS); Flower started the sessions
     assert r["split-exchanges"] == 4 and r["split-inner-exchanges"] == 2, r
     assert "split stream on 127.0.0.1:" in res.output and "(TLS)" in res.output, res.output[-3000:]
     kinds = {k.split(".")[1] for k in r if k.startswith("bytes.") and r[k] > 0 and k != "bytes.total"}
@@ -79,9 +88,9 @@ def test_split_round_over_the_tls_stream(deployment):
     for name in ("config.json", "checkpoint.pt", "model.pt", "partition.json"):
         assert (folder / name).stat().st_size > 0, name
     saved = json.loads((folder / "config.json").read_text())
-    assert saved["algo"] == "scala" and saved["num-rounds"] == 1
-    print(f"[deploy tls+auth] {case}: 1 round in {res.seconds:.0f} s, acc {r['accuracy']:.3f}, "
-          f"bytes {r['bytes.total']}")
+    assert saved["algo"] == "scala" and saved["num-rounds"] == 2
+    print(f"[deploy tls+auth] {case}: 2 rounds in {res.seconds:.0f} s (round 2: {rows[1]['round-seconds']:.2f} s), "
+          f"acc {rows[1]['accuracy']:.3f}, bytes {r['bytes.total']}")
 
 
 def test_bad_run_config_is_reported_by_flwr_run(deployment):

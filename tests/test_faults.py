@@ -1,16 +1,22 @@
 """Faults in a real deployment (SuperLink + 3 SuperNodes on 127.0.0.1, ``flwr run``).
 
 * A SuperNode is killed (SIGKILL, with its superexec and ClientApp children: a crashed
-  device) in the middle of a round of ``fedavg``. The round finishes with the two others,
-  ``dropped`` records the node, and the node, restarted with the same ``--node-config``, is
-  used again later (it registers under a new node id and gets its partition back). The
-  same drop-and-continue path of split rounds is proven without a kill (one real kill
-  costs 1.5-4 min of heartbeat wait): a node raising mid-round through the simulation
-  engine (``tests/test_split_runtime.py``), a broken or silent stream on a real gRPC
-  endpoint (``tests/test_split_stream.py``), and every algorithm in the conformance matrix.
+  device) in the middle of round 2 of ``scala`` over the stream with sessions that span the
+  run (issue 17). Its stream breaks, so round 2 finishes with the two others at once; the
+  survivors keep their one session; the node, restarted with the same ``--node-config``,
+  registers under a new node id and gets a new session in round 3, while its old id, still
+  listed until its heartbeat expires, is dropped there through Flower's error reply, the
+  path a killed node takes with Flower messages. Until 2026-11-23 the kill was of ``fedavg``
+  (109 s; its round 2 waited for that error reply); one real kill is kept for the suite's
+  time: the message path's handling of the error reply is also checked without a kill
+  (``test_exchange_drops_error_and_missing_replies``), and the split drop-and-continue
+  paths in process (``tests/test_split_runtime.py``, ``tests/test_split_sessions.py``,
+  ``tests/test_split_stream.py``) and in every algorithm of the conformance matrix.
 * The ServerApp dies in the middle of a round (in process since 2026-11-23: see
   ``test_serverapp_dies_then_resumes``); the rerun with ``resume=true run-name=<same>``
   continues after the last completed round: no completed round is lost, none is repeated.
+  The same with split stream sessions that span the run:
+  ``tests/test_split_sessions.py::test_the_server_dies_mid_round_every_clientapp_ends_and_resume_matches``.
 
 How a killed SuperNode shows up (Flower 1.41): its message gets no reply while the node
 still counts as online; it is marked offline when its heartbeat expires (interval 30 s,
@@ -21,9 +27,6 @@ normal round on a loaded 2-core CI box) so the drop is seen through that error.
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,17 +39,6 @@ e2e = pytest.mark.e2e
 
 ROUND_TIMEOUT = 300.0
 FULL = {"algo": "fedavg", "local-steps": 3}
-
-
-def algos():
-    from strategies.registry import algorithm_names
-
-    names = algorithm_names()
-    return [c for c in (FULL,) if c["algo"] in names]
-
-
-def case_id(c: dict) -> str:
-    return c["algo"] + ("-stream" if c.get("split-transport") == "stream" else "")
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +76,33 @@ def run_log(dep: Deployment, name: str) -> str:
     return (dep.logs / f"flwr-run-{name}.out").read_text(errors="replace")
 
 
+# SCALA over the stream with sessions that span the run (issue 17): ~150 iterations make a
+# round last several seconds, so the kill lands inside round 2's session
+SPLIT_SESSION = {"algo": "scala", "split-transport": "stream", "split-stream-session": "run",
+                 "scala.local-iterations": 150, "scala.total-batch": 96}
+
+
 @e2e
-@pytest.mark.parametrize("cfg", algos(), ids=case_id)
-def test_supernode_killed_mid_round(dep, cfg):
-    algo = case_id(cfg)
-    name = f"kill-node-{algo}"
-    proc, _ = dep.submit({**cfg, "num-rounds": 3, "round-timeout": ROUND_TIMEOUT, "min-nodes": 2, "seed": 2}, name)
+def test_supernode_killed_mid_session(dep):
+    """A SuperNode is SIGKILLed in the middle of round 2 of a split run whose stream sessions
+    span the run. Its stream breaks at once, so round 2 finishes with the two others without
+    waiting for Flower's heartbeat; the survivors keep their sessions (no new ClientApp
+    process); the node, restarted, gets a new session in round 3, while its old node id,
+    still listed until its heartbeat expires, is dropped there through Flower's
+    NODE_UNAVAILABLE (or the timeout)."""
+    name = "kill-node-scala-session"
+    before = {i: dep.log(f"supernode{i}.out").count("Start `flwr-clientapp` process") for i in (0, 1)}
+    proc, _ = dep.submit({**SPLIT_SESSION, "num-rounds": 3, "round-timeout": ROUND_TIMEOUT, "min-nodes": 2,
+                          "seed": 2}, name)
     folder = dep.results / name
     try:
         wait_rows(folder, 1, proc, 900)
-        time.sleep(2.0)                       # round 2 is under way: messages are out
+        time.sleep(1.5)                       # round 2 is under way on the stream
         t_kill = time.time()
-        dep.kill_node(2)                      # SIGKILL node 2 + its superexec/clientapps
-        restarted = dep.start_node(2)         # the device comes back (new node id)
+        dep.kill_node(2)
+        restarted = dep.start_node(2)
         rows = wait_rows(folder, 2, proc, 900)
-        dropped_after = time.time() - t_kill
+        round2_done = time.time() - t_kill
         proc.wait(timeout=1200)
     finally:
         if proc.poll() is None:
@@ -109,18 +113,17 @@ def test_supernode_killed_mid_round(dep, cfg):
     assert [r["round"] for r in rows] == [1, 2, 3], out[-3000:]
     r1, r2, r3 = rows
     assert r1["participants"] == 3 and r1["dropped"] == []
-    # the killed node is recorded and the round finished with the other two
     assert len(r2["dropped"]) == 1 and r2["participants"] == 2 and not r2.get("skipped"), r2
-    assert not r3.get("skipped") and r3["participants"] >= 2
-    # the restarted node (new id, same partition) was used again in round 3
-    new_log = (dep.logs / "supernode2.1.out").read_text(errors="replace")
+    assert "before sending" in out or "stream broke" in out or "ClientApp error" in out, out[-3000:]
+    assert round2_done < 30, f"round 2 ended {round2_done:.0f} s after the kill: the broken stream was not seen"
+    assert r3["participants"] == 3 and not r3.get("skipped"), r3           # the restarted node is back
+    assert r3["dropped"] in ([], r2["dropped"]), r3
     assert alive(restarted.pid)
-    assert new_log.count("Start `flwr-clientapp` process") >= 1, new_log[-2000:]
-    assert r3["participants"] == 3, r3
-    why = "NODE_UNAVAILABLE (code 5)" if re.search(r"dropped from round: error 5", out) else "timeout"
-    print(f"\n[faults {algo}] rounds completed: {len(rows)}/3; node killed in round 2 -> dropped "
-          f"{r2['dropped']} after {dropped_after:.0f} s via {why}; participants per round "
-          f"{[r['participants'] for r in rows]}; restarted node used again in round 3")
+    after = {i: dep.log(f"supernode{i}.out").count("Start `flwr-clientapp` process") for i in (0, 1)}
+    assert {i: after[i] - before[i] for i in (0, 1)} == {0: 2, 1: 2}, (before, after)  # split-info + one session
+    print(f"\n[faults scala-session] node killed in round 2 -> dropped {r2['dropped']}; round 2 ended "
+          f"{round2_done:.1f} s after the kill; round 3: participants {r3['participants']}, dropped {r3['dropped']} "
+          f"in {r3['round-seconds']:.0f} s; survivors kept one session each")
 
 
 def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
