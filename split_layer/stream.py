@@ -732,12 +732,10 @@ class StreamTransport(Transport):
         """Whether sessions span rounds (``StreamOptions.session``; see the class docstring)."""
         if self.opts.session == "round":
             return False
-        seen = [(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0)))
-                for i in (getattr(self.strategy, "info", {}).get(n, {}) for n in nodes)]
-        seen = [(a, t) for a, t in seen if a > 0 and t > 0]
-        if not seen:
+        limits = self.sim_limits(nodes)
+        if limits is None:
             return True  # a deployment: every SuperNode runs its own ClientApp
-        actors, threads = min(a for a, _ in seen), min(t for _, t in seen)
+        actors, threads = limits
         total = len(self.grid.get_node_ids())
         if total <= min(actors, threads):
             return True
@@ -854,13 +852,21 @@ class StreamTransport(Transport):
             return DEFAULT_MAX_FRAME
         return max(max_frame_bytes(specs(n)) for n in nodes)
 
-    def check_concurrency(self, nodes: list[int]) -> None:
+    def sim_limits(self, nodes: list[int]) -> tuple[int, int] | None:
+        """``(Ray actors, Flower worker threads)`` of a simulation, as ``nodes`` reported them in
+        ``split-info``; ``None`` outside a simulation (a deployment, LocalGrid)."""
         seen = [(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0)))
-                for i in (self.strategy.info.get(n, {}) for n in nodes)]
+                for i in (getattr(self.strategy, "info", {}).get(n, {}) for n in nodes)]
         seen = [(a, t) for a, t in seen if a > 0 and t > 0]
         if not seen:
+            return None
+        return min(a for a, _ in seen), min(t for _, t in seen)
+
+    def check_concurrency(self, nodes: list[int]) -> None:
+        limits = self.sim_limits(nodes)
+        if limits is None:
             return
-        actors, threads = min(a for a, _ in seen), min(t for _, t in seen)
+        actors, threads = limits
         if len(nodes) > min(actors, threads):
             raise StreamConfigError(concurrency_error(len(nodes), actors, threads))
 

@@ -252,3 +252,23 @@ def test_session_frames_are_bounded_by_the_weights_and_the_largest_batch():
     assert seen["bound"] == max(max_frame_bytes(largest), 2 * weights + FRAME_MARGIN)
     assert seen["told"] == {seen["bound"]}
     assert seen["bound"] > max(r for r in rows[0]["batch-sizes"]) * int(np.prod(s.act_shape)) * 4
+
+
+def test_session_length_in_a_simulation_that_cannot_hold_every_node():
+    """3 nodes, a simulation that runs 2 ClientApps at once, 2 sampled: 'auto' falls back to
+    one-round sessions (an idle session would hold an actor); 'run' is an error naming the
+    settings; 'round' never spans; a deployment (no simulation limits) spans."""
+    from split_layer.stream import StreamConfigError, StreamTransport
+
+    class Owner:
+        def __init__(self, actors):
+            self.info = {n: {"sim-actors": actors, "sim-threads": 6} for n in (1001, 1002, 1003)}
+
+    grid = LocalGrid(3, dispatch)
+    nodes = [1001, 1002]
+    assert StreamTransport(Owner(2), grid, StreamOptions(session="auto")).decide_spans(nodes) is False
+    assert StreamTransport(Owner(3), grid, StreamOptions(session="auto")).decide_spans(nodes) is True
+    assert StreamTransport(Owner(0), grid, StreamOptions(session="auto")).decide_spans(nodes) is True
+    assert StreamTransport(Owner(8), grid, StreamOptions(session="round")).decide_spans(nodes) is False
+    with pytest.raises(StreamConfigError, match="split-stream-session='run'.*3 nodes.*at most 2"):
+        StreamTransport(Owner(2), grid, StreamOptions(session="run")).decide_spans(nodes)
