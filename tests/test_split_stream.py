@@ -344,3 +344,28 @@ def test_the_client_waits_at_most_its_timeout_for_each_frame():
         c.close()
     finally:
         srv.stop()
+
+
+def test_session_frames_decode_only_what_they_claim():
+    """A session's weights and config travel in frame headers: what a hostile node can put
+    there is refused with a StreamError (the node is dropped), never half-applied."""
+    from split_layer.stream import (config_from_json, config_to_json, metrics_from_json, pack_arrays,
+                                    unpack_arrays)
+
+    arrays = {"bottom": {"a.weight": np.ones((2, 2), np.float32), "n/b": np.array(3)}, "teacher": {}}
+    table, tensors = pack_arrays(arrays)
+    h, t = decode(encode({"arrays": table}, tensors))
+    back = unpack_arrays(h["arrays"], t)
+    assert set(back["bottom"]) == {"a.weight", "n/b"} and back["bottom"]["n/b"].shape == ()
+    cfg = {"x": 1, "s": "y", "b": b"\x00\xff", "l": [1.5, 2.0], "t": True}
+    assert config_from_json(json.loads(json.dumps(config_to_json(cfg)))) == cfg
+    for bad_table in ([["bottom"]], [["bottom", "k"], ["bottom", "j"]], {"bottom": "k"}, [[1, 2]]):
+        with pytest.raises(StreamError):
+            unpack_arrays(bad_table, {"0": np.zeros(1, np.float32)})
+    for bad in ({"x": {"eval": "1"}}, {"x": None}, [1]):
+        with pytest.raises(StreamError):
+            config_from_json(bad)
+    for bad in ({"loss": "nan"}, {"m": [1, "x"]}, {"ok": True}, "metrics"):
+        with pytest.raises(StreamError):
+            metrics_from_json(bad)
+    assert metrics_from_json({"n": 3, "v": [1.0, 2]}) == {"n": 3, "v": [1.0, 2]}
