@@ -63,8 +63,7 @@ def probe(cache: str, reps: int) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def fedavg_rounds(runner, rounds: int) -> dict[str, float]:
-    rows = runner()
+def fedavg_rounds(rows: list[dict]) -> dict[str, float]:
     later = [r["round-seconds"] for r in rows[1:]] or [rows[0]["round-seconds"]]
     return {"round_s": statistics.median(later), "first_round_s": rows[0]["round-seconds"]}
 
@@ -109,9 +108,9 @@ def main(argv=None) -> int:
         def rows_of(folder):
             return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
-        sim = fedavg_rounds(lambda: rows_of(run_simulation_inprocess(
+        sim = fedavg_rounds(rows_of(run_simulation_inprocess(
             {**fused_run_config(None), "results-dir": str(out / "sim"), "run-name": "fedavg", **cfg}, 3,
-            client_cpus=2 / 3)), args.rounds)
+            client_cpus=2 / 3)))
         dep_rows = {}
         for mode in ("off", "on"):
             os.environ["FLOWER_SSL_DATA_CACHE"] = "off" if mode == "off" else cache
@@ -119,7 +118,7 @@ def main(argv=None) -> int:
                 res = dep.run(cfg, f"fedavg-cache-{mode}", timeout=1800)
                 if res.proc.returncode:
                     raise RuntimeError(res.output[-3000:])
-                dep_rows[mode] = fedavg_rounds(lambda: res.metrics(), args.rounds)
+                dep_rows[mode] = fedavg_rounds(res.metrics())
         print(f"\nfedavg, 3 nodes, {args.rounds} rounds, local-steps=3 (medians over rounds 2..R):")
         print(f"  simulation:                     {sim['round_s']:6.2f} s/round")
         for mode in ("off", "on"):

@@ -131,7 +131,7 @@ def _echo_client(address, token, node, cert, shape, reps) -> None:
 
     from split_layer.stream import StreamClient
 
-    c = StreamClient(address, token, node, cert, 60.0, frames=reps + 1)
+    c = StreamClient(address, token, node, cert, 60.0)
     c.send({"step": 1}, {"act": np.zeros(shape, np.float32)})
     for step in range(2, reps + 3):
         h, t = c.recv()

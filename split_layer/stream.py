@@ -924,7 +924,7 @@ class StreamClient:
     """
 
     def __init__(self, address: str, token: str | bytes, node: int, cert: str = "", timeout: float = 600.0,
-                 frames: int = 1, max_frame: int = 0) -> None:
+                 max_frame: int = 0) -> None:
         self.node, self.timeout = node, float(timeout)
         # the server waits up to ``timeout`` for the slowest node of a step before it computes and
         # answers, so one wait here is bounded by twice that (not by timeout x iterations)

@@ -403,7 +403,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         with _released(COMPUTE_LOCK):
             client = StreamClient(str(cfg[STREAM_KEYS["address"]]), str(cfg[STREAM_KEYS["token"]]),
                                   int(cfg[STREAM_KEYS["node"]]), str(cfg.get(STREAM_KEYS["cert"], "")),
-                                  float(cfg.get(STREAM_KEYS["timeout"], 600.0)), frames=w.iters,
+                                  float(cfg.get(STREAM_KEYS["timeout"], 600.0)),
                                   max_frame=int(cfg.get(STREAM_KEYS["max-frame"], 0)))
         rounds = 0
         try:

@@ -98,7 +98,7 @@ def echo_handler(behaviour: dict[int, str] | None = None, iters: int = 3):
         if how == "raise-before-connect":
             raise RuntimeError("boom before connecting")
         token = "not-the-token" if how == "bad-token" else cfg[STREAM_KEYS["token"]]
-        c = StreamClient(cfg[STREAM_KEYS["address"]], token, node, cfg[STREAM_KEYS["cert"]], 10.0, frames=iters)
+        c = StreamClient(cfg[STREAM_KEYS["address"]], token, node, cfg[STREAM_KEYS["cert"]], 10.0)
         try:
             c.send({"step": 1}, {"act": np.zeros((2, 3), np.float32)})
             for step in range(2, iters + 2):
@@ -334,7 +334,7 @@ def test_the_client_waits_at_most_its_timeout_for_each_frame():
     from split_layer.stream import _Server
     srv = _Server(StreamOptions(timeout=30.0), [5])   # authenticates, then never answers
     try:
-        c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=1.0, frames=1000)
+        c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=1.0)
         c.send({"step": 1}, {})
         t0 = __import__("time").monotonic()
         # twice the timeout: the server itself waits up to the timeout for the slowest node, then answers
