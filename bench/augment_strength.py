@@ -13,7 +13,7 @@ SGD for a few epochs on the clean, test-normalised 4,000 training images of the 
 * ``weak``: the crop (3 px reflect-padded translation on 28x28, no flip for digits);
 * ``strong``: the current strong view (FixMatch's RandAugmentMC(2, 10) + Cutout of
   ``int(0.5 * 28)`` = 14 px, as the authors' PyTorch code cuts 16 px on 32x32), as
-  ``strategies.common.make_augmenter`` builds it;
+  ``tasks.env.make_augmenter`` builds it;
 * ``strong, cutout 0.25``: the same policy with a quarter-size Cutout (7 px);
 * ``strong, no cutout``: the policy alone;
 * ``old strong``: the previous policy, reproduced here: weak crop, then per sample
@@ -102,7 +102,7 @@ def main() -> None:
     xtr, ytr = torch.from_numpy(bundle.train.x), torch.from_numpy(bundle.train.y)
     xte, yte = torch.from_numpy(bundle.test.x), torch.from_numpy(bundle.test.y)
     c, s = bundle.in_channels, bundle.image_size
-    aug = Augmenter(c, s, flip=not bundle.is_digits)  # as strategies.common.make_augmenter
+    aug = Augmenter(c, s, flip=not bundle.is_digits)  # as tasks.env.make_augmenter
     quarter = Augmenter(c, s, flip=aug.flip, cutout_fraction=0.25)
     bare = Augmenter(c, s, flip=aug.flip, cutout=False)
     views = [

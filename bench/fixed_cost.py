@@ -37,14 +37,15 @@ import torch
 t1 = time.perf_counter()
 import flower_apps.client_app
 t2 = time.perf_counter()
-from strategies.common import load_bundle, _plan_cached, Env, make_augmenter, resolve_device
+from tasks.env import Env, load_bundle, make_augmenter, plan_cached
+from tasks.training import resolve_device
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 task = parse_run_config({**fused_run_config(None), "algo": "fedavg"}).task
 t3 = time.perf_counter()
 b = load_bundle(task)
 t4 = time.perf_counter()
-plan = _plan_cached(task, 3, "all", False)
+plan = plan_cached(task, 3, "all", False)
 t5 = time.perf_counter()
 Env(task, b, plan, resolve_device(task.device), make_augmenter(b), 0, 3).build_model()
 t6 = time.perf_counter()

@@ -12,8 +12,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.registry import AlgorithmSpec, algorithm_names, get_algorithm, namespaces
-from tasks.config import ConfigError, TaskConfig, fields_of, key_of, knob, parse_dataclass
+from strategies.registry import (
+    AlgorithmSpec,
+    algorithm_names,
+    get_algorithm,
+    namespaces,
+)
+from tasks.config import (
+    ConfigError,
+    TaskConfig,
+    fields_of,
+    key_of,
+    knob,
+    parse_dataclass,
+)
 
 
 @dataclass
@@ -156,9 +168,10 @@ def preflight(parsed: ParsedConfig, num_partitions: int | None = None) -> None:
     ``num_partitions`` (the number of SuperNodes) is known, the partition plan is
     feasible. Every failure is a :class:`ConfigError` naming the key.
     """
-    from strategies.common import load_bundle, resolve_device
     from tasks.data import EMBEDDED
+    from tasks.env import load_bundle
     from tasks.models import build_model
+    from tasks.training import resolve_device
 
     task = parsed.task
     if task.dataset in EMBEDDED:
@@ -189,11 +202,11 @@ def preflight(parsed: ParsedConfig, num_partitions: int | None = None) -> None:
 
 def check_partition(parsed: ParsedConfig, num_partitions: int) -> None:
     """The partition plan for ``num_partitions`` nodes is feasible (else ConfigError)."""
-    from strategies.common import server_env
+    from tasks.env import library_env
 
     cls = parsed.spec.strategy_cls
     try:
-        server_env(parsed.task, num_partitions, cls.label_mode, cls.with_client_test)
+        library_env(parsed.task, num_partitions, cls.label_mode, cls.with_client_test)
     except ConfigError:
         raise
     except ValueError as e:

@@ -12,7 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flower_apps.config import ParsedConfig, parse_run_config, preflight
 from flower_apps.results import RunFolder
-from strategies.base import RoundPolicy
+from split_layer.rounds import RoundPolicy
 from tasks.config import ConfigError, to_flat
 
 app = ServerApp()

@@ -62,7 +62,7 @@ import torch
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from strategies.base import SSLStrategy
+from split_layer.rounds import SSLStrategy
 from tasks.aggregate import weighted_mean
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
@@ -85,6 +85,8 @@ class SplitStrategy(SSLStrategy):
     and for the server part's rollback ``server_snapshot``/``server_restore``.
     """
 
+    staged = True  # a user's model is cut as tasks.models.as_staged says
+
     def setup_algorithm(self) -> None:
         self.cut = resolve_cut(self.model, self.task.cut)
         self.bottom, self.top = split_model(self.model, self.cut)
@@ -92,8 +94,7 @@ class SplitStrategy(SSLStrategy):
         with torch.no_grad():
             was = self.model.training
             self.model.eval()
-            x = torch.zeros(1, self.env.bundle.in_channels, self.env.bundle.image_size,
-                            self.env.bundle.image_size, device=self.env.device)
+            x = torch.zeros(1, *self.env.input_shape, device=self.env.device)
             self.act_shape = tuple(self.bottom(x).shape[1:])
             self.model.train(was)
         self.setup_split()
@@ -228,7 +229,7 @@ class SplitStrategy(SSLStrategy):
             tr.close()
 
     def start(self, grid: Grid, *args: Any, **kwargs: Any):
-        """Flower's ``Strategy.start`` (see :meth:`strategies.base.SSLStrategy.start`); the
+        """Flower's ``Strategy.start`` (see :meth:`split_layer.rounds.SSLStrategy.start`); the
         transport's sessions end with it, also when it fails."""
         try:
             return super().start(grid, *args, **kwargs)

@@ -87,7 +87,14 @@ import numpy as np
 from flwr.app import Message
 from flwr.common import log
 
-from .transport import _CONFIG_KEY, Envelope, FlowerTransport, Transport, _fill, envelope_from_message
+from .records import CONFIG_KEY, query
+from .transport import (
+    Envelope,
+    FlowerTransport,
+    Transport,
+    _fill,
+    envelope_from_message,
+)
 
 __all__ = ["StreamOptions", "StreamTransport", "StreamClient", "StreamError", "StreamConfigError",
            "encode", "decode", "simulation_concurrency", "max_frame_bytes", "TRANSPORTS", "STREAM_KEYS"]
@@ -778,10 +785,10 @@ class StreamTransport(Transport):
         for n, env in out.items():
             self.broken.pop(n, None)
             if n in self.live and now - self.born.get(n, now) < SESSION_MAX_S:
-                content = self.strategy.base_content(server_round, op="split", **env.config)
+                content = self.strategy.base_content(server_round, action="split", **env.config)
                 table, tensors = pack_arrays(env.arrays)
                 head = {"round": int(server_round), "arrays": table,
-                        "config": config_to_json(dict(content.config_records[_CONFIG_KEY]))}
+                        "config": config_to_json(dict(content.config_records[CONFIG_KEY]))}
                 self.server.send(n, encode(head, tensors))
                 resumed += 1
                 continue
@@ -794,8 +801,8 @@ class StreamTransport(Transport):
                      STREAM_KEYS["cert"]: self.server.cert, STREAM_KEYS["timeout"]: float(self.opts.timeout),
                      STREAM_KEYS["max-frame"]: int(self.server.max_frame),
                      STREAM_KEYS["session"]: int(bool(self.spans)), STREAM_KEYS["idle"]: float(SESSION_MAX_S)}
-            content = _fill(self.strategy.base_content(server_round, op="split", **env.config, **extra), env)
-            msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(server_round)))
+            content = _fill(self.strategy.base_content(server_round, action="split", **env.config, **extra), env)
+            msgs.append(query(content, n, "split", str(server_round)))
         self.live -= set(out)
         if msgs:
             for m, mid in zip(msgs, self.grid.push_messages(msgs)):

@@ -5,8 +5,8 @@ a small config, reply metrics) through a :class:`Transport`: one call = one exch
 (one message to each addressed node, one reply back, failures dropped). A faster channel
 (a gRPC stream, issue 9) replaces :class:`FlowerTransport` without touching algorithms.
 
-* :class:`FlowerTransport` -- Flower messages (``query`` messages with ``config.op``),
-  pushed and polled by :meth:`strategies.base.SSLStrategy.exchange` (fault handling:
+* :class:`FlowerTransport` -- Flower messages (``query.<action>`` messages),
+  pushed and polled by :meth:`split_layer.rounds.SSLStrategy.exchange` (fault handling:
   error replies and timeouts drop the node and land in the round's ``dropped``).
 * :func:`envelope_from_message` / :func:`reply` -- the same encoding on the ClientApp side.
 * :class:`LocalGrid` -- a Flower ``Grid`` look-alike that runs the ClientApp handler in
@@ -15,7 +15,7 @@ a small config, reply metrics) through a :class:`Transport`: one call = one exch
 
 Record layout of a split message (all optional):
 ``split-tensors`` (ArrayRecord: the streams), ``split-arrays.<name>`` (ArrayRecord: a named
-state dict, e.g. ``bottom``), ``config`` (ConfigRecord, with ``op``/``server-round`` from the
+state dict, e.g. ``bottom``), ``config`` (ConfigRecord, with ``server-round`` from the
 base strategy plus the envelope's config), ``metrics`` (MetricRecord, replies).
 """
 from __future__ import annotations
@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+
+from .records import CONFIG_KEY, METRICS_KEY, numpy_to_record, query, record_to_numpy
 
 __all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_from_message", "reply",
-           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLIT_CONFIG_KEY"]
+           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY"]
 
 TENSORS_KEY = "split-tensors"
 ARRAYS_PREFIX = "split-arrays."
-SPLIT_CONFIG_KEY = "split-config"   # reply-side config (strings etc.)
-_CONFIG_KEY = "config"
-_METRICS_KEY = "metrics"
+SPLITCONFIG_KEY = "split-config"   # reply-side config (strings etc.)
 
 
 @dataclass
@@ -70,19 +70,11 @@ class Transport(ABC):
         """End of the run, or of a failed round: release what the transport holds."""
 
 
-def _np_record(d: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in d.items()})
-
-
-def _rec_np(rec: ArrayRecord) -> dict[str, np.ndarray]:
-    return {k: rec[k].numpy() for k in rec.keys()}
-
-
 def _fill(content: RecordDict, env: Envelope) -> RecordDict:
     if env.tensors:
-        content[TENSORS_KEY] = _np_record(env.tensors)
+        content[TENSORS_KEY] = numpy_to_record(env.tensors)
     for name, sd in env.arrays.items():
-        content[ARRAYS_PREFIX + name] = _np_record(sd)
+        content[ARRAYS_PREFIX + name] = numpy_to_record(sd)
     return content
 
 
@@ -91,15 +83,15 @@ def envelope_from_message(msg: Message) -> Envelope:
     c = msg.content
     env = Envelope()
     if TENSORS_KEY in c.array_records:
-        env.tensors = _rec_np(c.array_records[TENSORS_KEY])
+        env.tensors = record_to_numpy(c.array_records[TENSORS_KEY])
     for k in c.array_records.keys():
         if k.startswith(ARRAYS_PREFIX):
-            env.arrays[k[len(ARRAYS_PREFIX):]] = _rec_np(c.array_records[k])
-    for key in (_CONFIG_KEY, SPLIT_CONFIG_KEY):
+            env.arrays[k[len(ARRAYS_PREFIX):]] = record_to_numpy(c.array_records[k])
+    for key in (CONFIG_KEY, SPLITCONFIG_KEY):
         if key in c.config_records:
             env.config.update(dict(c.config_records[key]))
-    if _METRICS_KEY in c.metric_records:
-        env.metrics = dict(c.metric_records[_METRICS_KEY])
+    if METRICS_KEY in c.metric_records:
+        env.metrics = dict(c.metric_records[METRICS_KEY])
     return env
 
 
@@ -107,23 +99,23 @@ def reply(msg: Message, env: Envelope) -> Message:
     """The ClientApp's reply to ``msg`` carrying ``env``."""
     content = _fill(RecordDict(), env)
     if env.config:
-        content[SPLIT_CONFIG_KEY] = ConfigRecord(env.config)
+        content[SPLITCONFIG_KEY] = ConfigRecord(env.config)
     if env.metrics:
-        content[_METRICS_KEY] = MetricRecord(env.metrics)
+        content[METRICS_KEY] = MetricRecord(env.metrics)
     return Message(content, reply_to=msg)
 
 
 class FlowerTransport(Transport):
     """Flower messages through ``strategy.exchange`` (seeded, fault-tolerant push/poll)."""
 
-    def __init__(self, strategy, grid) -> None:  # strategy: strategies.base.SSLStrategy
+    def __init__(self, strategy, grid) -> None:  # strategy: split_layer.rounds.SSLStrategy
         self.strategy, self.grid = strategy, grid
 
     def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
         msgs = []
         for node, env in out.items():
-            content = _fill(self.strategy.base_content(server_round, op=op, **env.config), env)
-            msgs.append(Message(content, dst_node_id=node, message_type="query", group_id=str(server_round)))
+            content = _fill(self.strategy.base_content(server_round, action=op, **env.config), env)
+            msgs.append(query(content, node, op, str(server_round)))
         replies = self.strategy.exchange(self.grid, msgs)
         return {r.metadata.src_node_id: envelope_from_message(r) for r in replies}
 

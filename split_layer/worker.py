@@ -53,13 +53,21 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from strategies.common import (ALGO_KEY, CONFIG_KEY, Env, client_env, derive_seed, make_sgd,
-                               to_device_batch)
+from split_layer.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_record
 from tasks.data import ArrayDataset
+from tasks.env import Env
+from tasks.training import derive_seed, make_sgd, to_device_batch
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
-from .stream import (STREAM_KEYS, StreamClient, config_from_json, config_to_json, pack_arrays,
-                     simulation_concurrency, unpack_arrays)
+from .stream import (
+    STREAM_KEYS,
+    StreamClient,
+    config_from_json,
+    config_to_json,
+    pack_arrays,
+    simulation_concurrency,
+    unpack_arrays,
+)
 from .transport import Envelope, envelope_from_message, reply
 from .validation import SplitValidationError, TensorSpec, check_tensor
 
@@ -148,6 +156,7 @@ class Worker:
     optimizer: torch.optim.Optimizer | None = None
     recomputing: bool = False   # inside the message path's second forward pass (streams not sent)
     node_config: dict[str, Any] = field(default_factory=dict)  # this node's own settings (consent etc.)
+    cache: dict[str, Any] = field(default_factory=dict)  # hooks' objects for this round (cleared at step 1)
 
     @property
     def partition(self) -> int:
@@ -225,10 +234,6 @@ def _load_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer, rec: ArrayRec
             opt.state[p]["momentum_buffer"] = torch.from_numpy(rec[name].numpy().copy()).to(p.device)
 
 
-def _state_record(sd: dict[str, torch.Tensor]) -> ArrayRecord:
-    return ArrayRecord({k: Array(v.detach().cpu().numpy().copy()) for k, v in sd.items()})
-
-
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().cpu().numpy())
 
@@ -294,6 +299,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         for k in [k for k in st.keys() if k.startswith("split.")]:
             del st[k]
         w.optimizer = hooks.make_optimizer(w)
+        w.cache.clear()
         hooks.begin(w, incoming)
 
     def apply(w: Worker, outs: dict[str, torch.Tensor], grads: dict[str, np.ndarray], step: int,
@@ -382,7 +388,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
 
         if step <= w.iters:
             outs = run_forward(w, data, step, grad=False)
-            st[STATE_BOTTOM] = _state_record(bottom_state(w.model, w.cut))
+            st[STATE_BOTTOM] = state_to_record(bottom_state(w.model, w.cut))
             st[STATE_OPT] = _save_opt(w.bottom, w.optimizer)
             st[STATE_META] = ConfigRecord({"round": w.rnd, "next-step": step + 1, "iters": w.iters,
                                            "batch": w.batch_size})

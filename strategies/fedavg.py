@@ -21,10 +21,25 @@ from typing import Any
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from .base import SSLStrategy
-from .common import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, client_env, derive_seed, load_numpy_state,
-                     make_sgd, model_to_record, num_local_steps, record_to_numpy, train_supervised)
-from .registry import AlgorithmSpec
+from split_layer.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    client_env,
+    model_to_record,
+    record_to_numpy,
+)
+from split_layer.rounds import SSLStrategy
+from tasks.training import (
+    derive_seed,
+    load_numpy_state,
+    make_sgd,
+    num_local_steps,
+    train_supervised,
+)
+
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 
 class FedAvgStrategy(SSLStrategy):
@@ -56,7 +71,7 @@ class SupervisedOnlyStrategy(SSLStrategy):
     uses_clients = False
 
     def setup_algorithm(self) -> None:
-        if len(self.env.plan.server_labeled) == 0:
+        if len(self.env.server_labeled()) == 0:
             from tasks.config import ConfigError
             raise ConfigError("supervised-only needs server-labels > 0 (N_s labeled samples on the server)")
         self.optimizer = make_sgd(self.model.parameters(), self.task)
@@ -76,7 +91,7 @@ class SupervisedOnlyStrategy(SSLStrategy):
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     "fedavg": AlgorithmSpec(
         name="fedavg", paper="McMahan et al. 2017 (reference)", strategy_cls=FedAvgStrategy,
         client={"train": client_train},
@@ -84,4 +99,15 @@ ALGORITHMS = {
     "supervised-only": AlgorithmSpec(
         name="supervised-only", paper="lower bound of Semi-SFL / SSFL", strategy_cls=SupervisedOnlyStrategy,
         description="server trains on its N_s labels alone"),
-}
+})
+
+
+class FedAvgClient(AlgorithmClient):
+    """FedAvg's client with a user's model and the node's own labeled data (``labeled``).
+
+    Each ``train`` message: local SGD on cross-entropy from the received global weights
+    (``local_epochs`` or ``local_steps``, ``batch_size``, ``lr``, momentum from the server's
+    task config); the reply is the local weights and ``num-examples``."""
+
+    module = __name__
+    needs = ('labeled',)

@@ -93,18 +93,41 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 
+from split_layer.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    algo_config,
+    client_env,
+    model_to_record,
+    numpy_to_record,
+    record_to_numpy,
+)
+from split_layer.rounds import SSLStrategy
 from tasks.aggregate import fednova_aggregate, weighted_mean
-from tasks.config import knob, parse_dataclass
+from tasks.config import knob
 from tasks.losses import closed_form_soft_label, ema_update, kl_to_uniform, soft_ce
+from tasks.training import (
+    batch_indices,
+    derive_seed,
+    load_numpy_state,
+    make_sgd,
+    to_device_batch,
+    trainable_keys,
+)
 
-from .base import SSLStrategy
-from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, batch_indices, client_env,
-                     derive_seed, load_numpy_state, make_sgd, model_to_record, numpy_to_record,
-                     record_to_numpy, to_device_batch, trainable_keys)
-from .registry import AlgorithmSpec
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 NAMESPACE = "fedshvr"
 STATE_CARRY = "fedshvr-carry"   # ArrayRecord: d_k^{t-1} + own normalised step / eta
@@ -347,7 +370,7 @@ class FedSHVRStrategy(SSLStrategy):
 
 # --------------------------------------------------------------------------- client
 def _algo_config(msg: Message) -> FedSHVRConfig:
-    return parse_dataclass(FedSHVRConfig, dict(msg.content.config_records[ALGO_KEY]), strict=False)
+    return algo_config(msg, FedSHVRConfig)
 
 
 def client_train(msg: Message, context: Context) -> Message:
@@ -426,7 +449,7 @@ def _spec(name: str, description: str, **overrides: Any) -> AlgorithmSpec:
                          node_state=(STATE_CARRY, STATE_PREV, STATE_INFO))
 
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     "fedshvr": _spec("fedshvr", "soft labels (r1) + confidence penalty (r2) + VR correction + FedNova"),
     "fed-pseudo": _spec("fed-pseudo", "FedAvg + hard pseudo-labels (baseline)", alpha1=0.0, alpha2=0.0,
                         correction=False, normalized_averaging=False),
@@ -439,4 +462,15 @@ ALGORITHMS = {
     "fedshvr-no-vr": _spec("fedshvr-no-vr", "ablation: no correction d_k (FedNova only)", correction=False),
     "fedshvr-no-nova": _spec("fedshvr-no-nova", "ablation: plain averaging (VRL-SGD only)",
                              normalized_averaging=False),
-}
+})
+
+
+class FedSHVRClient(AlgorithmClient):
+    """Fed-SHVR's client (and its baselines and ablations) with a user's model and the node's
+    labeled and unlabeled data (``labeled``, ``unlabeled``; ``fed-sl`` uses the labeled set
+    only). Each ``train`` message: sharpened soft pseudo-labels, the confidence penalty and
+    the variance-reduction correction over tau_k local steps; the node keeps its correction
+    between rounds."""
+
+    module = __name__
+    needs = ('labeled',)

@@ -39,8 +39,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.common import log
+
+from split_layer.records import numpy_to_record
 
 STATE_DIR_KEY = "state-dir"            # node config
 STATE_DIR_ENV = "FLOWER_SSL_STATE_DIR"
@@ -121,7 +123,7 @@ def restore(folder: Path, before: int, context: Context, keys: tuple[str, ...]) 
                         configs[rest] = json.loads(str(z[name]))
             for key, d in arrays.items():
                 if key in keys:
-                    context.state[key] = ArrayRecord({n: Array(np.ascontiguousarray(v)) for n, v in d.items()})
+                    context.state[key] = numpy_to_record(d)
             for key, d in configs.items():
                 if key in keys:
                     context.state[key] = ConfigRecord(d)
@@ -142,7 +144,7 @@ def handle(handler: Callable[[Message, Context], Message], msg: Message, context
 
     ``persist=False`` (information and evaluation queries): restore only. The message's
     config gives ``server-round``, ``state-key`` and ``state-session`` (set by
-    :meth:`strategies.base.SSLStrategy.base_content`); without them the handler runs as is.
+    :meth:`split_layer.rounds.SSLStrategy.base_content`); without them the handler runs as is.
     """
     cfg = msg.content.config_records.get("config")
     if not keys or cfg is None or "state-session" not in cfg:

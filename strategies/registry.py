@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from flwr.app import Context, Message
 
-from tasks.config import ConfigError, key_of, parse_dataclass
+from tasks.config import ConfigError, key_of, parse_dataclass, replace_checked
 
 ClientHandler = Callable[[Message, Context], Message]
 
@@ -29,6 +29,13 @@ _MODULES: dict[str, str] = {
     **dict.fromkeys(("ssfl", "ssfl-selftrain"), "strategies.ssfl"),
     **dict.fromkeys(("semisfl", "semisfl-no-cluster", "semisfl-fixed-ks"), "strategies.semisfl"),
 }
+
+
+# Every query action a node of some algorithm answers (Flower message type ``query.<action>``,
+# with ``_`` for ``-``), besides ``train`` and ``evaluate``. A ClientApp registers these with
+# ``@app.query(...)`` before any algorithm module is imported (a deployment's ClientApp process
+# imports only the algorithm it serves); an AlgorithmSpec with a handler not listed here is refused.
+QUERY_ACTIONS: tuple[str, ...] = ("node-info", "split-info", "split", "warmup", "select")
 
 
 @dataclass(frozen=True)
@@ -46,26 +53,65 @@ class AlgorithmSpec:
     status: str = "implemented"
     description: str = ""
 
-    def handle(self, msg: Message, context: Context, op: str | None = None) -> Message:
-        """Answer one server message on the ClientApp side, as the library's ClientApp does:
-        ``train``/``evaluate`` messages by type, queries by their config ``op``; the
-        ``node-info`` query (every algorithm); the algorithm's round-to-round node state
-        restored before and saved after (:mod:`strategies.node_state`). A user's own
-        ClientApp can route every message of this algorithm here."""
-        from . import node_state
-        from .common import CONFIG_KEY, EVAL_OPS, INFO_OPS, NODE_INFO_OP, node_info
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.client) - {"train", "evaluate", *QUERY_ACTIONS})
+        if unknown:
+            raise ValueError(f"algorithm {self.name!r}: client actions {unknown} are not in "
+                             f"strategies.registry.QUERY_ACTIONS; add them there")
 
-        cfg = msg.content.config_records.get(CONFIG_KEY)
-        kind = msg.metadata.message_type.split(".")[0]
-        op = op or (kind if kind in ("train", "evaluate") else str((cfg or {}).get("op", "")))
-        if op == NODE_INFO_OP:  # the server learns partition ids (to sample in that order)
+    def handle(self, msg: Message, context: Context, action: str | None = None) -> Message:
+        """Answer one server message on the ClientApp side: the handler of its action
+        (Flower's message type: ``train``, ``evaluate``, ``query.<action>``; ``action``
+        overrides it), the ``node-info`` query of every algorithm, the algorithm's
+        round-to-round node state restored before and saved after
+        (:mod:`strategies.node_state`)."""
+        from split_layer.records import (
+            EVAL_ACTIONS,
+            INFO_ACTIONS,
+            NODE_INFO,
+            action_of,
+            node_info,
+        )
+
+        from . import node_state
+
+        action = action or action_of(msg)
+        if action == NODE_INFO:  # the server learns partition ids (to sample in that order)
             return node_info(msg, context)
-        handler = self.client.get(op)
+        handler = self.client.get(action)
         if handler is None:
-            raise ValueError(f"algorithm '{self.name}' has no client handler '{op}'; it has: "
+            raise ValueError(f"algorithm '{self.name}' has no client handler for action '{action}'; it has: "
                              f"{', '.join(sorted(self.client)) or 'none'}")
         return node_state.handle(handler, msg, context, self.node_state,
-                                 persist=op not in INFO_OPS + EVAL_OPS)
+                                 persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+
+    @property
+    def actions(self) -> list[str]:
+        """Every action a node of this algorithm answers (``node-info`` included)."""
+        from split_layer.records import NODE_INFO
+        return sorted({*self.client, NODE_INFO})
+
+    def build_config(self, cfg: Any, options: dict[str, Any]):
+        """The config of a strategy constructed in Python: ``cfg`` (default: the paper's
+        defaults) with keyword ``options`` checked and applied, then the variant's fixed
+        switches. An option or a ``cfg`` value that contradicts a fixed switch is a
+        :class:`ConfigError`, as in :meth:`parse_config`."""
+        if self.config_cls is None:
+            if options:
+                raise TypeError(f"algo={self.name!r} has no options; got {', '.join(sorted(options))}")
+            return None
+        default = self.config_cls()
+        base = cfg if cfg is not None else default
+        for name, fixed in self.overrides.items():
+            value = options.get(name, getattr(base, name))
+            if (name in options or value != getattr(default, name)) and value != fixed:
+                raise ConfigError(f"{name}={value!r} contradicts algo={self.name!r}, which fixes {name}={fixed!r} "
+                                  f"({self.description or 'a variant'})")
+        try:
+            out = replace_checked(base, "", **options)
+        except TypeError as e:
+            raise TypeError(f"algo={self.name!r}: {e}") from None
+        return dataclasses.replace(out, **self.overrides) if self.overrides else out
 
     def parse_config(self, flat: dict[str, Any], explicit: Iterable[str] | None = None):
         """The algorithm config from run-config keys under ``namespace``, variant switches applied.
@@ -123,3 +169,15 @@ def get_algorithm(name: str) -> AlgorithmSpec:
         raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())}")
     module = importlib.import_module(_MODULES[name])
     return module.ALGORITHMS[name]
+
+
+def bind(algorithms: dict[str, AlgorithmSpec]) -> dict[str, AlgorithmSpec]:
+    """Give each strategy class of an algorithm module the specs it runs (``cls.specs``,
+    its first name first), so that ``Strategy(algo=..., **options)`` builds and checks its
+    config from the same specs as the run config. Returns ``algorithms``."""
+    for spec in algorithms.values():
+        cls = spec.strategy_cls
+        if "specs" not in cls.__dict__:
+            cls.specs = {}
+        cls.specs[spec.name] = spec
+    return algorithms

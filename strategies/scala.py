@@ -68,9 +68,10 @@ from split_layer.worker import SplitClientHooks, make_split_handlers, seeded
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, knob
 from tasks.losses import logit_adjusted_ce
+from tasks.training import derive_seed, make_sgd
 
-from .common import derive_seed, make_sgd
-from .registry import AlgorithmSpec
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 SERVER_MODES = ("concat", "per-client", "sequential")
 
@@ -281,8 +282,18 @@ _VARIANTS = {
                     "iterations in turn"),
 }
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     name: AlgorithmSpec(name=name, paper=paper, strategy_cls=ScalaStrategy, config_cls=ScalaConfig,
                         namespace="scala", overrides=ov, client=_CLIENT, description=desc)
     for name, (paper, ov, desc) in _VARIANTS.items()
-}
+})
+
+
+class ScalaClient(AlgorithmClient):
+    """SCALA's client (and the SplitFed / CA-SFL / LLA-SFL baselines) with a user's split
+    model and the node's labeled data (``labeled``). Each ``query.split`` step sends the
+    bottom's activations and labels of one batch and applies the returned gradients; the
+    server concatenates all nodes' activations and trains the top with logit adjustment."""
+
+    module = __name__
+    needs = ('labeled',)

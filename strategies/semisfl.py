@@ -94,10 +94,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import ConfigRecord
 
 from split_layer.cut import bottom_state, load_bottom_state, resolve_cut, split_model
+from split_layer.records import algo_config, model_to_record, numpy_to_record
 from split_layer.runtime import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.validation import TensorSpec
@@ -105,11 +105,24 @@ from split_layer.worker import SplitClientHooks, Worker, make_split_handlers
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
-from tasks.losses import (FeatureQueue, clustering_regularization, cosine_decay, ema_update,
-                          masked_pseudo_label_ce, supervised_contrastive)
+from tasks.losses import (
+    FeatureQueue,
+    clustering_regularization,
+    cosine_decay,
+    ema_update,
+    masked_pseudo_label_ce,
+    supervised_contrastive,
+)
+from tasks.training import (
+    batch_indices,
+    derive_seed,
+    evaluate,
+    make_sgd,
+    to_device_batch,
+)
 
-from .common import batch_indices, derive_seed, evaluate, make_sgd, to_device_batch
-from .registry import AlgorithmSpec
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 NAMESPACE = "semisfl"
 STUDENT, TEACHER, HIDDEN_LABELS = "student", "teacher", "hidden-labels"  # payload stream names
@@ -540,7 +553,7 @@ class SemiSFLStrategy(SplitStrategy):
     label_mode = "server"
 
     def setup_split(self) -> None:
-        if len(self.env.plan.server_labeled) == 0:
+        if len(self.env.server_labeled()) == 0:
             raise ConfigError("semisfl needs server-labels > 0 (the labeled set D_l on the server)")
         t = self.task
         self.core = SemiSFLServer(self.model, self.cfg, cut=self.cut, labeled=self.env.server_labeled(),
@@ -641,7 +654,9 @@ class SemiSFLStrategy(SplitStrategy):
 
     def evaluate_global(self) -> dict[str, Any]:
         out = super().evaluate_global()
-        student = evaluate(self.model, self.env.bundle.test, aug=self.env.augmenter, device=self.env.device,
+        if not out:
+            return out  # no server test set: start(evaluate_fn=...) evaluates
+        student = evaluate(self.model, self.env.test, aug=self.env.augmenter, device=self.env.device,
                            num_classes=self.env.num_classes)
         out["teacher-accuracy"] = out["accuracy"]
         out["student-accuracy"] = student["accuracy"]
@@ -692,13 +707,17 @@ class SemiSFLClientHooks(SplitClientHooks):
     def begin(self, w: Worker, env: Envelope) -> None:
         if TEACHER not in env.arrays:
             raise ValueError("semisfl split-step 1 carries no 'teacher' bottom")
-        w.state[STATE_TEACHER] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in env.arrays[TEACHER].items()})
+        w.state[STATE_TEACHER] = numpy_to_record(env.arrays[TEACHER])
         w.state[STATE_LR] = ConfigRecord({"lr": float(w.config.get("semisfl-lr", w.env.task.lr))})
 
     def _teacher(self, w: Worker) -> nn.Module:
-        t = copy.deepcopy(w.bottom)
-        rec = w.state[STATE_TEACHER]
-        t.load_state_dict({k: torch.from_numpy(rec[k].numpy().copy()) for k in rec.keys()})
+        """The teacher bottom w~_c: built from the node state once per worker, then kept."""
+        t = w.cache.get(TEACHER)
+        if t is None:
+            t = copy.deepcopy(w.bottom)
+            rec = w.state[STATE_TEACHER]
+            t.load_state_dict({k: torch.from_numpy(rec[k].numpy().copy()) for k in rec.keys()})
+            w.cache[TEACHER] = t
         return t
 
     def forward(self, w: Worker, xb: torch.Tensor, yb: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
@@ -744,14 +763,13 @@ class SemiSFLClientHooks(SplitClientHooks):
 
     def after_step(self, w: Worker, step: int) -> None:
         teacher = self._teacher(w)
-        ema_update(teacher, w.bottom, float(w.algo.get("ema-decay", 0.99)))
-        w.state[STATE_TEACHER] = ArrayRecord({k: Array(v.detach().cpu().numpy().copy())
-                                              for k, v in teacher.state_dict().items()})
+        ema_update(teacher, w.bottom, algo_config(w.algo, SemiSFLConfig).ema_decay)
+        w.state[STATE_TEACHER] = model_to_record(teacher)
 
 
 _CLIENT = make_split_handlers(SemiSFLClientHooks())
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     "semisfl": AlgorithmSpec(
         name="semisfl", paper="Sun et al., Semi-SFL (clustering regularization + adaptive K_s)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
@@ -765,4 +783,15 @@ ALGORITHMS = {
         name="semisfl-fixed-ks", paper="Semi-SFL ablation (w/o K_s adaptation)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
         overrides={"adaptive_ks": False}, description="Semi-SFL with a constant K_s"),
-}
+})
+
+
+class SemiSFLClient(AlgorithmClient):
+    """Semi-SFL's client (and its ablations) with a user's split model and the node's
+    unlabeled data (``unlabeled``). The node runs the bottom w_c and its EMA teacher: each
+    ``query.split`` step sends the student features of the strong view and the teacher
+    features of the weak view (never a label), backpropagates the returned gradients and
+    updates the teacher (``ema_decay``)."""
+
+    module = __name__
+    needs = ('unlabeled',)

@@ -27,7 +27,7 @@ One communication period of T local iterations (§2) = one Flower round:
      ``ssfl-selftrain``): the same with the weak-view logits in place of the strong.
 
 2. The server runs T SGD steps of cross-entropy on its labeled data (weak view, Eq. 2),
-   starting from w_avg -- :func:`strategies.common.train_supervised`.
+   starting from w_avg -- :func:`tasks.training.train_supervised`.
 3. Averaging over the trainable parameters only (§2 "Normalization"):
 
    * S = 1 (Eq. 5): ``w_avg = (w_s + sum_{k in C_k} w_k) / (|C_k| + 1)``;
@@ -35,7 +35,7 @@ One communication period of T local iterations (§2) = one Flower round:
      ``w_avg = (1/S) sum_i w_avg,i``; group G_i is sent w_avg,i next round and the
      server continues from w_avg. Groups are fixed and contiguous in the users'
      ``partition-id`` (§10.4), learned once per node with the library's ``node-info`` query
-     (:meth:`strategies.base.SSLStrategy.learn_partitions`).
+     (:meth:`split_layer.rounds.SSLStrategy.learn_partitions`).
      A group without participants this round has w_avg,i = w_s (authors' code).
 
    BatchNorm buffers never travel: each user keeps its own running statistics in
@@ -89,16 +89,41 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from tasks.aggregate import contiguous_groups, grouped_average, mean_including_server, state_delta, weight_diversity
-from tasks.config import ConfigError, TaskConfig, knob, parse_dataclass
+from split_layer.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    algo_config,
+    client_env,
+    model_to_record,
+    numpy_to_record,
+    record_to_numpy,
+)
+from split_layer.rounds import SSLStrategy
+from tasks.aggregate import (
+    contiguous_groups,
+    grouped_average,
+    mean_including_server,
+    state_delta,
+    weight_diversity,
+)
+from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
 from tasks.losses import cosine_lr, masked_pseudo_label_ce
+from tasks.models import classifier_prefix
+from tasks.training import (
+    batch_indices,
+    derive_seed,
+    load_numpy_state,
+    make_sgd,
+    set_lr,
+    to_device_batch,
+    train_supervised,
+    trainable_keys,
+)
 
-from .base import SSLStrategy
-from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, batch_indices, client_env, derive_seed,
-                     load_numpy_state, make_sgd, model_to_record, numpy_to_record, record_to_numpy, set_lr,
-                     to_device_batch, train_supervised, trainable_keys)
-from .registry import AlgorithmSpec
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 LOCAL_STATE_KEY = "ssfl.local"   # context.state ArrayRecord: the user's BN buffers
 
@@ -209,7 +234,7 @@ def _add_hist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _ssfl_config(msg: Message) -> SSFLConfig:
-    return parse_dataclass(SSFLConfig, dict(msg.content.config_records[ALGO_KEY]), strict=False)
+    return algo_config(msg, SSFLConfig)
 
 
 def client_train(msg: Message, context: Context) -> Message:
@@ -247,11 +272,10 @@ class SSFLStrategy(SSLStrategy):
 
     label_mode = "server"
 
-    def __init__(self, task: TaskConfig, cfg: SSFLConfig | None = None, algo: str = "ssfl", policy=None) -> None:
-        cfg = cfg if cfg is not None else SSFLConfig()
-        if task.server_labels <= 0:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.user is None and self.task.server_labels <= 0:
             raise ConfigError("ssfl needs server-labels > 0 (N_s class-balanced labeled samples on the server)")
-        super().__init__(task, cfg, algo, policy)
         self.num_rounds = 0
         self.period = 0
         self.keys: list[str] = []
@@ -260,15 +284,21 @@ class SSFLStrategy(SSLStrategy):
 
     # ---------------------------------------------------------------- setup
     def setup_algorithm(self) -> None:
+        if len(self.env.server_labeled()) == 0:
+            raise ConfigError("ssfl needs labeled data on the server (run config: server-labels > 0; "
+                              "your own data: labeled_data=(x, y))")
         self.keys = trainable_keys(self.model)
-        prefix = self.model.classifier_prefix
+        prefix = classifier_prefix(self.model)
         self.classifier_keys = [k for k in self.keys if k.startswith(prefix)]
         self.optimizer = make_sgd(self.model.parameters(), self.task, nesterov=self.cfg.nesterov)
         t = self.task
         if t.local_steps > 0:
             self.period = t.local_steps
         else:
-            sizes = [len(c.unlabeled) for c in self.env.plan.clients]
+            sizes = self.env.client_unlabeled_sizes()
+            if sizes is None:
+                raise ConfigError("ssfl with your own data: set local_steps (the communication period K, in "
+                                  "steps); the server does not know the nodes' data sizes for local_epochs")
             self.period = max(1, t.local_epochs * math.ceil(float(np.mean(sizes)) / t.batch_size))
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 3, *args, **kwargs):
@@ -387,7 +417,7 @@ class SSFLStrategy(SSLStrategy):
 _PAPER = "Zhang et al. 2020, Benchmarking Semi-supervised Federated Learning"
 _CLIENT = {"train": client_train}
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     "ssfl": AlgorithmSpec(
         name="ssfl", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
         client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
@@ -396,4 +426,16 @@ ALGORITHMS = {
         name="ssfl-selftrain", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
         overrides={"user_loss": "self-training"}, client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
         description="SSFL with the traditional self-training loss (Eq. 3) on users (paper: with norm='bn')"),
-}
+})
+
+
+class SSFLClient(AlgorithmClient):
+    """SSFL's client (``ssfl``, ``ssfl-selftrain``) with a user's model and the node's
+    unlabeled data (``unlabeled``; labels, if given, only feed the ``pseudo-correct`` metric).
+
+    Each ``train`` message: K = ``local_steps`` steps of consistency regularization (FixMatch
+    CE of the strong view on the weak view's confident pseudo-label, tau) from the received
+    model; the node keeps its own BatchNorm statistics between rounds."""
+
+    module = __name__
+    needs = ('unlabeled',)

@@ -39,7 +39,7 @@ Math (MC-dropout, Eqs. 9-14)
 Rounds
 ------
 Before round 1 every client trains ``warmup-epochs`` of CE on D_k^s from the common w_0 and
-uploads (``op="warmup"``). Round t, for each sampled client k:
+uploads (``query.warmup``). Round t, for each sampled client k:
 
 1. ``query`` op ``"select"`` (only when k has something to select this round). The server
    sends the pool directory (ids, latest versions), k's list as the server knows it, and the
@@ -82,7 +82,7 @@ Baseline client contract (``train``): ``fixavg``/``fixprox`` receive ``arrays`` 
 model) and reply ``arrays``; ``fedper-fix`` receives and replies only the body (every key
 outside the ``head`` stage; the head stays in ``context.state["umpfssl.head"]``);
 ``local-only`` receives no weights and keeps its model in ``context.state["umpfssl.model"]``.
-``evaluate`` messages (``config.op="client-eval"``) carry what the client needs to rebuild
+``evaluate`` messages (Flower's ``evaluate``) carry what the client needs to rebuild
 its model (nothing for ``local-only``) and the reply carries ``accuracy`` and ``num-examples``
 on the client's test split.
 """
@@ -97,20 +97,48 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from tasks.aggregate import personalized_weighted, weighted_mean
+from split_layer.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    algo_config,
+    client_env,
+    model_to_record,
+    numpy_to_record,
+    query,
+    record_to_numpy,
+)
+from split_layer.rounds import SSLStrategy
+from tasks.aggregate import personalized_weighted
 from tasks.config import ConfigError, knob
+from tasks.env import Env
 from tasks.losses import kl_to_target, mc_dropout_predict
+from tasks.models import has_dropout, head_prefix
+from tasks.training import (
+    batch_indices,
+    derive_seed,
+    evaluate,
+    load_numpy_state,
+    make_sgd,
+    num_local_steps,
+    to_device_batch,
+    train_fixmatch,
+    train_supervised,
+)
 
-from .base import SSLStrategy
-from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, Env, batch_indices, client_env,
-                     derive_seed, evaluate, load_numpy_state, make_sgd, model_to_record,
-                     num_local_steps, numpy_to_record, record_to_numpy, to_device_batch,
-                     train_fixmatch, train_supervised)
-from .registry import AlgorithmSpec
+from .client import AlgorithmClient
+from .registry import AlgorithmSpec, bind
 
 NS = "umpfssl"
 MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local")
@@ -220,8 +248,7 @@ def cost2(M: int, n: int, nu: int, F: int, R: int, k_bar: float) -> float:
 
 # =============================================================================== client side
 def _algo_cfg(msg: Message) -> UMPFSSLConfig:
-    from tasks.config import parse_dataclass
-    return parse_dataclass(UMPFSSLConfig, dict(msg.content.config_records[ALGO_KEY]), "", strict=False)
+    return algo_config(msg, UMPFSSLConfig)
 
 
 def _env(msg: Message, context: Context) -> Env:
@@ -412,7 +439,7 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
 
 
 def _head_keys(model) -> list[str]:
-    prefix = f"stages.{model.stage_names[-1]}."
+    prefix = head_prefix(model)
     return [k for k in model.state_dict() if k.startswith(prefix)]
 
 
@@ -514,7 +541,7 @@ class PersonalizedEvalStrategy(SSLStrategy):
         nodes = sorted(grid.get_node_ids())
         msgs = []
         for n in nodes:
-            content = self.base_content(server_round, op="client-eval")
+            content = self.base_content(server_round, action="evaluate")
             rec = self.eval_payload(n)
             if rec is not None:
                 content[ARRAYS_KEY] = rec
@@ -633,8 +660,9 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         return numpy_to_record({f"{pid}/{k}": v for pid in sorted(self.pool) for k, v in self.pool[pid][1].items()})
 
     def setup_algorithm(self) -> None:
-        if self.task.dropout <= 0.0:
-            raise ConfigError("algo=umpfssl needs dropout > 0 for MC-dropout (the paper uses dropout=0.5)")
+        if not has_dropout(self.model):
+            raise ConfigError("algo=umpfssl needs a model with dropout > 0 for MC-dropout (the paper uses "
+                              "dropout=0.5; run config: dropout=0.5; your own model: an nn.Dropout layer)")
         self.pool: dict[int, tuple[int, dict[str, np.ndarray]]] = {}       # pid -> (version, state)
         self.archive: dict[tuple[int, int], dict[str, np.ndarray]] = {}   # older referenced versions
         self.refs: dict[int, list[tuple[int, int]]] = {}                   # pid -> non-self (id, version)
@@ -671,11 +699,11 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
     def query(self, grid: Grid, nodes: list[int], op: str, server_round: int, init: bool = False) -> list[Message]:
         msgs = []
         for n in nodes:
-            c = self.base_content(server_round, op=op)
+            c = self.base_content(server_round, action=op)
             if init:  # the run's initial_arrays: every warm-up starts from them
                 c[ARRAYS_KEY] = model_to_record(self.model)
                 self.meter.add_record("weights", "down", c[ARRAYS_KEY])
-            msgs.append(Message(c, dst_node_id=n, message_type="query", group_id=str(server_round)))
+            msgs.append(query(c, n, op, str(server_round)))
         return self.exchange(grid, msgs)
 
     def warmup(self, grid: Grid) -> dict[str, Any]:
@@ -719,7 +747,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             repl = rng.sample(rest, min(cfg.replace, len(rest))) if (t <= cfg.search_rounds and cfg.replace > 0) else []
             if not fill and not repl and not (do_refresh and cur):
                 continue
-            content = self.base_content(t, op="select", **{
+            content = self.base_content(t, action="select", **{
                 "pool-ids": sorted(directory), "pool-versions": [directory[i] for i in sorted(directory)],
                 "helper-ids": [i for i, _ in cur], "helper-versions": [v for _, v in cur],
                 "cand-ids": fill + repl, "cand-reasons": ["fill"] * len(fill) + ["replace"] * len(repl),
@@ -729,7 +757,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
                 content[f"cand.{i}"] = rec
                 self.meter.add_record("helper-weights", "down", rec)
                 self.count(reason)
-            select_msgs.append(Message(content, dst_node_id=n, message_type="query", group_id=str(t)))
+            select_msgs.append(query(content, n, "select", str(t)))
         selected = set()
         for r in self.exchange(grid, select_msgs):
             n, c = r.metadata.src_node_id, r.content.config_records[CONFIG_KEY]
@@ -797,7 +825,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
 
 
 _HANDLERS = {"train": client_train, "evaluate": client_evaluate, "select": client_select,
-             "warmup": client_warmup, "client-eval": client_evaluate}
+             "warmup": client_warmup}
 _PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
 
 
@@ -808,7 +836,7 @@ def _spec(name: str, cls: type, mode: str, desc: str) -> AlgorithmSpec:
                          node_state=(STATE_HELPERS, STATE_HEAD, STATE_MODEL))
 
 
-ALGORITHMS = {
+ALGORITHMS = bind({
     "umpfssl": _spec("umpfssl", UMPFSSLStrategy, "umpfssl",
                      "personalized models; helpers chosen by MC-dropout uncertainty; server = model pool"),
     "fixavg": _spec("fixavg", FixMatchFedStrategy, "fixavg", "FedAvg + FixMatch on unlabeled data"),
@@ -817,4 +845,14 @@ ALGORITHMS = {
                         "FedPer (shared body, local head) + FixMatch"),
     "local-only": _spec("local-only", LocalOnlyStrategy, "local",
                         "each client trains alone (FixMatch), no weights exchanged"),
-}
+})
+
+
+class UMPFSSLClient(AlgorithmClient):
+    """UM-pFSSL's client (and the FixMatch baselines) with a user's model (with dropout, for
+    MC-dropout) and the node's labeled, unlabeled and test data (the test set is the
+    node's personalized evaluation). ``query.warmup``, ``query.select`` (helpers' MC-dropout
+    uncertainty on the node's data), ``train`` and ``evaluate``."""
+
+    module = __name__
+    needs = ('labeled', 'unlabeled', 'test')

@@ -114,6 +114,23 @@ def parse_dataclass(cls, flat: dict[str, Any], prefix: str = "", *, strict: bool
     return obj
 
 
+def replace_checked(obj, prefix: str = "", **changes: Any):
+    """``dataclasses.replace(obj, **changes)`` with every value checked as the run config
+    checks it (type, range, choices, ``validate()``). An unknown name is a ``TypeError``
+    naming the allowed ones (keyword arguments of a constructor)."""
+    fields = {f.name: (f, typ) for f, typ in fields_of(type(obj))}
+    unknown = sorted(set(changes) - set(fields))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+    checked = {name: check_field(key_of(name, prefix), v, fields[name][1], dict(fields[name][0].metadata))
+               for name, v in changes.items()}
+    new = dataclasses.replace(obj, **checked)
+    validate = getattr(new, "validate", None)
+    if callable(validate):
+        validate()
+    return new
+
+
 def to_flat(obj, prefix: str = "") -> dict[str, Any]:
     """Dataclass -> flat kebab-case dict (the inverse of :func:`parse_dataclass`)."""
     return {key_of(f.name, prefix): getattr(obj, f.name) for f, _ in fields_of(type(obj))}

@@ -65,6 +65,60 @@ class ArrayDataset:
         return ArrayDataset(self.x[idx], self.y[idx])
 
 
+
+def as_dataset(data, name: str = "data", *, need_labels: bool = False) -> ArrayDataset:
+    """A user's set as an :class:`ArrayDataset`.
+
+    ``data`` is an ``ArrayDataset``, a pair ``(x, y)``, images ``x`` alone (labels unknown:
+    ``y = -1``; refused with ``need_labels``) or a map-style dataset of ``(image, label)``
+    pairs (``torch.utils.data.TensorDataset``, a torchvision dataset with ``ToTensor``).
+    Images are ``[N, C, H, W]`` or ``[N, H, W]`` (one channel), numpy or torch, uint8, or
+    float in [0, 1] (scaled to 0..255). Labels are integers. ``name`` names the set in errors.
+    """
+    if isinstance(data, ArrayDataset):
+        x, y = data.x, data.y
+    elif isinstance(data, tuple) and len(data) == 2:
+        x, y = data
+    elif hasattr(data, "shape") or isinstance(data, (list, np.ndarray)):
+        x, y = data, None
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        items = [data[i] for i in range(len(data))]
+        if not items or not all(isinstance(it, (tuple, list)) and len(it) >= 2 for it in items):
+            raise DatasetError(f"{name}: a dataset must yield (image, label) pairs")
+        x = np.stack([_numpy(it[0]) for it in items])
+        y = np.asarray([int(_numpy(it[1])) for it in items])
+    else:
+        raise DatasetError(f"{name}: expected an ArrayDataset, (x, y), images x or a dataset of (image, label); "
+                           f"got {type(data).__name__}")
+    x = _numpy(x)
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4:
+        raise DatasetError(f"{name}: images must be [N, C, H, W] or [N, H, W], got shape {tuple(x.shape)}")
+    if x.dtype != np.uint8:
+        if not np.issubdtype(x.dtype, np.floating):
+            raise DatasetError(f"{name}: images must be uint8, or float in [0, 1]; got {x.dtype}")
+        if x.size and (not np.all(np.isfinite(x)) or x.min() < 0.0 or x.max() > 1.0):
+            raise DatasetError(f"{name}: float images must lie in [0, 1]")
+        x = np.rint(x * 255.0).astype(np.uint8)
+    if y is None:
+        if need_labels:
+            raise DatasetError(f"{name}: labels are needed: pass (x, y)")
+        y = np.full(len(x), -1, np.int64)
+    y = _numpy(y)
+    if y.shape != (len(x),) or not np.issubdtype(y.dtype, np.integer):
+        raise DatasetError(f"{name}: labels must be integers of shape [{len(x)}], got {y.dtype} {tuple(y.shape)}")
+    if need_labels and len(y) and y.min() < 0:
+        raise DatasetError(f"{name}: labels must be >= 0")
+    return ArrayDataset(np.ascontiguousarray(x), y.astype(np.int64))
+
+
+def _numpy(a) -> np.ndarray:
+    if hasattr(a, "detach"):  # torch tensor, without importing torch here
+        a = a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
 @dataclass
 class DatasetBundle:
     """A train and a held-out test split plus what a model needs to know."""

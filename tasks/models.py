@@ -99,7 +99,11 @@ __all__ = [
     "MODELS",
     "NORMS",
     "StagedModel",
+    "as_staged",
     "build_model",
+    "classifier_prefix",
+    "head_prefix",
+    "has_dropout",
     "cnn",
     "mlp",
     "alexnet",
@@ -141,9 +145,8 @@ class StagedModel(nn.Module):
         names = list(self.stages.keys())
         if len(names) < 2:
             raise ValueError("a StagedModel needs at least two stages")
-        head = self.stages[names[-1]]
-        if not (isinstance(head, nn.Sequential) and isinstance(head[-1], nn.Linear)):
-            raise ValueError("the last stage must be an nn.Sequential ending with nn.Linear")
+        if not any(isinstance(m, nn.Linear) for m in self.stages[names[-1]].modules()):
+            raise ValueError("the last stage (the head) must contain the output nn.Linear")
         if default_cut not in names[:-1]:
             raise ValueError(f"default_cut={default_cut!r} is not one of {', '.join(names[:-1])}")
         self.default_cut = default_cut
@@ -167,12 +170,12 @@ class StagedModel(nn.Module):
     @property
     def classifier(self) -> nn.Linear:
         """The output (last) linear layer."""
-        return self.head[-1]  # type: ignore[return-value]
+        return [m for m in self.head.modules() if isinstance(m, nn.Linear)][-1]
 
     @property
     def classifier_prefix(self) -> str:
         """``state_dict`` prefix of :attr:`classifier`, e.g. ``"stages.head.1."``."""
-        return f"stages.{self.stage_names[-1]}.{len(self.head) - 1}."
+        return classifier_prefix(self)
 
     @property
     def feature_dim(self) -> int:
@@ -200,6 +203,55 @@ class StagedModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, cut_points={self.cut_points}, default_cut={self.default_cut!r}"
+
+
+# ---------------------------------------------------------------------------
+# Any model: a user's own
+# ---------------------------------------------------------------------------
+def classifier_prefix(model: nn.Module) -> str:
+    """``state_dict`` prefix of the model's last ``nn.Linear`` (its classifier), e.g. ``"fc2."``."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer to serve as its classifier")
+    return names[-1] + "." if names[-1] else ""
+
+
+def head_prefix(model: nn.Module) -> str:
+    """``state_dict`` prefix of the model's head: a StagedModel's last stage, else its classifier
+    (FedPer keeps it local)."""
+    if isinstance(model, StagedModel):
+        return f"stages.{model.stage_names[-1]}."
+    return classifier_prefix(model)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether the model has a dropout layer with p > 0 (MC-dropout needs one)."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+
+
+def as_staged(model, cut: str | None = None) -> StagedModel:
+    """A user's model as a :class:`StagedModel`, which split learning cuts.
+
+    * a ``StagedModel``: as it is (``cut`` picks one of its cut points);
+    * a pair ``(bottom, top)``: the stages ``"bottom"`` and ``"top"``, cut between them
+      (``state_dict`` keys ``stages.bottom.<key>`` and ``stages.top.<key>``);
+    * an ``nn.Sequential``: each child is a stage (keys ``stages.<i>.<key>``), cut after the
+      child named ``cut`` (required).
+
+    The modules are shared, not copied. The last stage must contain the output ``nn.Linear``.
+    """
+    if isinstance(model, StagedModel):
+        return model
+    if isinstance(model, (tuple, list)) and len(model) == 2 and all(isinstance(m, nn.Module) for m in model):
+        return StagedModel("custom", [("bottom", model[0]), ("top", model[1])], default_cut="bottom")
+    if isinstance(model, nn.Sequential):
+        names = [n for n, _ in model.named_children()]
+        if not cut or cut not in names[:-1]:
+            raise ValueError(f"cut={cut!r}: an nn.Sequential is cut after one of its children; "
+                             f"allowed: {', '.join(names[:-1])}")
+        return StagedModel("sequential", list(model.named_children()), default_cut=cut)
+    raise ValueError(f"a split algorithm needs a StagedModel, a (bottom, top) pair or an nn.Sequential with "
+                     f"a cut; got {type(model).__name__}")
 
 
 # ---------------------------------------------------------------------------

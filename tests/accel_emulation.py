@@ -10,7 +10,7 @@ copies, moves and indexing with host indices are allowed (as on CUDA). Parameter
 buffers of a module moved with ``module.to(DEVICE)`` are ``dev`` (``Tensor.data`` assignment
 carries the tag), and a module's forward refuses ``host`` inputs.
 
-Use it with ``strategies.common.resolve_device`` patched to return ``DEVICE``, so that the
+Use it with ``tasks.env.resolve_device`` patched to return ``DEVICE``, so that the
 code under test believes it runs on an accelerator (see tests/test_conformance.py). A test
 that passes under it on CPU does what the same code does on a CUDA device, as far as device
 placement goes (it cannot see kernels that exist only on one device).

@@ -243,11 +243,11 @@ def test_resume_mistakes(tmp_path):
 
 def test_supernode_without_node_config():
     """A SuperNode started without --node-config: its reply is an error naming the flag."""
-    from strategies.common import TASK_KEY, client_env, task_record
-
     from flwr.app import ConfigRecord, Message
     from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: F401  (TaskIdentity set below)
     from flwr.supercore.task_identity import TaskIdentity
+
+    from split_layer.records import TASK_KEY, client_env, task_record
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
     msg = Message(RecordDict({TASK_KEY: task_record(TaskConfig()), "config": ConfigRecord({"algo": "fedavg"})}),
@@ -263,12 +263,16 @@ def test_supernode_without_node_config():
 
 def test_node_data_path_overrides_the_dataset_location(tmp_path):
     """node config ``data-path``: the node reads its copy of the run's dataset from there."""
+    import dataclasses
+
     import numpy as np
 
     datasets = pytest.importorskip("datasets")
-    from strategies.common import TASK_KEY, client_env, task_record
     from flwr.app import ConfigRecord, Message
     from flwr.supercore.task_identity import TaskIdentity
+
+    from split_layer.records import TASK_KEY, client_env, task_record
+    from tasks.env import load_bundle
 
     rng = np.random.default_rng(0)
     imgs = rng.integers(0, 255, size=(40, 8, 8), dtype=np.uint8)
@@ -282,17 +286,18 @@ def test_node_data_path_overrides_the_dataset_location(tmp_path):
                                                     "data-path": str(tmp_path / "copy")},
                   state=RecordDict(), run_config={})
     env = client_env(msg, ctx, "all")
-    assert env.bundle.name == "some-org/tiny-digits" and env.bundle.image_size == 8
+    assert env.augmenter.image_size == 8 and not env.augmenter.flip  # the run's name: digits, no flip
     assert len(env.labeled()) + len(client_env(msg, Context(
         run_id=1, node_id=6, node_config={"partition-id": 0, "num-partitions": 2,
                                           "data-path": str(tmp_path / "copy")},
-        state=RecordDict(), run_config={}), "all").labeled()) == len(env.bundle.train)
+        state=RecordDict(), run_config={}), "all").labeled()) == len(
+        load_bundle(dataclasses.replace(task, dataset=str(tmp_path / "copy"))).train)
 
 
 def test_drop_warning_names_the_real_exception_of_a_simulated_clientapp():
     """Flower's simulation engine wraps a ClientApp's exception in ClientAppException around
     Ray's traceback; the drop warning shows the exception the ClientApp raised, in full."""
-    from strategies.base import describe_error
+    from split_layer.rounds import describe_error
 
     frames = "".join(f'  File "/site-packages/mod{i}.py", line {i}, in f{i}\n    call_{i}()\n' for i in range(30))
     reason = ("<class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException ClientAppException "

@@ -33,10 +33,12 @@ import torch
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
+from split_layer.records import numpy_to_record
+from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
-from strategies import common
-from strategies.base import RoundPolicy
-from strategies.registry import algorithm_names, get_algorithm
+from strategies.registry import algorithm_names
+from tasks import env as task_env
+from tasks.training import evaluate, load_numpy_state
 
 ALGOS = algorithm_names()
 NODES = 4
@@ -50,7 +52,7 @@ TINY = {"model": "mlp", "local-steps": 2, "batch-size": B, "server-labels": 40, 
         "fedshvr.unlabeled-batch-size": B,
         "umpfssl.warmup-epochs": 1, "umpfssl.mc-samples": 2, "umpfssl.helpers": 2, "umpfssl.replace": 1}
 
-INFO_OPS = {"node-info", "split-info"}
+INFO_ACTIONS = {"node-info", "split-info"}
 
 
 def config(algo: str, **over) -> dict:
@@ -73,8 +75,8 @@ def run(s, grid, rounds: int = 2, **kw):
 
 
 def op_of(msg) -> str:
-    cfg = msg.content.config_records.get("config", {})
-    return str(cfg.get("op", msg.metadata.message_type))
+    from split_layer.records import action_of
+    return action_of(msg)
 
 
 def state_of(res_arrays) -> dict[str, np.ndarray]:
@@ -87,9 +89,9 @@ def personalized(s) -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh_plan_cache():
-    common._plan_cached.cache_clear()
+    task_env.plan_cached.cache_clear()
     yield
-    common._plan_cached.cache_clear()
+    task_env.plan_cached.cache_clear()
 
 
 # ----------------------------------------------------------------------------------- conditions
@@ -112,8 +114,8 @@ def test_conformance_all_nodes_result(algo):
     else:  # the returned model is the evaluated one: same accuracy
         model = s.eval_model()
         final = copy.deepcopy(model)
-        common.load_numpy_state(final, state_of(res.arrays))
-        got = common.evaluate(final, s.env.bundle.test, aug=s.env.augmenter, device=s.env.device,
+        load_numpy_state(final, state_of(res.arrays))
+        got = evaluate(final, s.env.test, aug=s.env.augmenter, device=s.env.device,
                               num_classes=s.env.num_classes)
         assert got["accuracy"] == pytest.approx(res.evaluate_metrics_serverapp[2]["accuracy"])
 
@@ -161,14 +163,14 @@ def test_conformance_initial_arrays(algo):
         seen[rnd] = state_of(arrays)
         return None
 
-    res, rows = run(s, grid, rounds=1, initial_arrays=common.numpy_to_record(init_state),
+    res, rows = run(s, grid, rounds=1, initial_arrays=numpy_to_record(init_state),
                     evaluate_fn=evaluate_fn)
     assert set(seen) == {0, 1}
     if not s.with_client_test:
         assert set(seen[0]) == set(init_state)
         for k in init_state:
             np.testing.assert_array_equal(seen[0][k], init_state[k], err_msg=k)
-        want = common.evaluate(init, s.env.bundle.test, aug=s.env.augmenter, device=s.env.device,
+        want = evaluate(init, s.env.test, aug=s.env.augmenter, device=s.env.device,
                                num_classes=s.env.num_classes)
         assert res.evaluate_metrics_serverapp[0]["accuracy"] == pytest.approx(want["accuracy"])
     # the first weights each node receives are (part of) the initial arrays; Semi-SFL first
@@ -201,14 +203,13 @@ def test_conformance_flower_parameters(algo):
     assert calls == [0, 1, 2]
     for rnd in (0, 1, 2):
         assert res.evaluate_metrics_serverapp[rnd]["user-metric"] == rnd + 0.5
-    train_msgs = [m for m in grid.sent if op_of(m) not in INFO_OPS and "client-eval" not in op_of(m)
-                  and m.metadata.message_type != "evaluate"]
+    train_msgs = [m for m in grid.sent if op_of(m) not in INFO_ACTIONS and op_of(m) != "evaluate"]
     if s.uses_clients:
         assert train_msgs
     for m in train_msgs:
         assert m.content.config_records["config"]["user-train-key"] == 7, op_of(m)
     for m in grid.sent:
-        if m.metadata.message_type == "evaluate" or op_of(m) == "client-eval":
+        if op_of(m) == "evaluate":
             assert m.content.config_records["config"]["user-eval-key"] == 3
 
 
@@ -218,7 +219,7 @@ def test_conformance_node_fails_mid_round(algo, caplog):
     victim = sorted(grid.contexts)[1]
 
     def fail_if(msg, ctx):
-        if ctx.node_id != victim or op_of(msg) in INFO_OPS:
+        if ctx.node_id != victim or op_of(msg) in INFO_ACTIONS:
             return False
         cfg = msg.content.config_records.get("config", {})
         return int(cfg.get("server-round", 0)) == 1 and int(cfg.get("split-step", 2)) >= 2
@@ -269,7 +270,7 @@ def test_conformance_resume_equals_uninterrupted(algo, tmp_path):
 def test_conformance_accelerator_placement(algo, monkeypatch):
     from tests.accel_emulation import DEVICE, emulated_accelerator
 
-    monkeypatch.setattr(common, "resolve_device", lambda name: DEVICE)
+    monkeypatch.setattr(task_env, "resolve_device", lambda name: DEVICE)
     s, grid = build(algo)
     with emulated_accelerator() as mode:
         res, rows = run(s, grid, rounds=1)

@@ -35,8 +35,8 @@ def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from flower_apps.simulate import fused_run_config
+    from split_layer.rounds import RoundPolicy
     from split_layer.transport import LocalGrid
-    from strategies.base import RoundPolicy
 
     p = parse_run_config({**fused_run_config(None), "algo": "fedavg"})
     picked = []
@@ -49,7 +49,7 @@ def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids
             nodes = s.sample_nodes(grid, rnd)
             parts.append(sorted(grid.contexts[n].node_config["partition-id"] for n in nodes))
         picked.append(parts)
-        asked = [m for m in grid.sent if m.content.config_records["config"].get("op") == "node-info"]
+        asked = [m for m in grid.sent if m.metadata.message_type == "query.node_info"]
         assert len(asked) == 10  # each node asked once, not every round
     assert picked[0] == picked[1] and all(len(x) == 3 for x in picked[0])
     assert len({tuple(x) for x in picked[0]}) > 1  # rounds still differ

@@ -140,8 +140,8 @@ def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
     from flower_apps.client_app import dispatch
     from flower_apps.results import RunFolder
     from flower_apps.simulate import fused_run_config
+    from split_layer.rounds import SSLStrategy
     from split_layer.transport import LocalGrid
-    from strategies.base import SSLStrategy
 
     cfg = {**fused_run_config(None), **FULL, "num-rounds": 3, "seed": 3, "model": "mlp",
            "results-dir": str(tmp_path), "run-name": "resume-fedavg"}
@@ -201,7 +201,7 @@ class _Grid:
 
 
 def test_exchange_drops_error_and_missing_replies():
-    from strategies.base import RoundPolicy, SSLStrategy
+    from split_layer.rounds import RoundPolicy, SSLStrategy
     from tasks.config import TaskConfig
 
     s = SSLStrategy(TaskConfig(), None, "fedavg", RoundPolicy(round_timeout=0.3))

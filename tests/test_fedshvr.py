@@ -11,15 +11,19 @@ import numpy as np
 import pytest
 import torch
 from flwr.common.constant import SUPERLINK_NODE_ID
-from split_layer.transport import LocalGrid
 from flwr.supercore.task_identity import TaskIdentity
 
+from split_layer.records import (
+    CONFIG_KEY,
+    record_to_numpy,
+)
+from split_layer.rounds import RoundPolicy
+from split_layer.transport import LocalGrid
 from strategies import fedshvr as fs
-from strategies.base import RoundPolicy
-from strategies.common import ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, TASK_KEY, record_to_numpy, server_env, task_record
 from strategies.registry import get_algorithm
 from tasks.aggregate import fednova_aggregate, vr_correction_update, weighted_mean
-from tasks.config import ConfigError, TaskConfig, to_flat
+from tasks.config import ConfigError, TaskConfig
+from tasks.env import library_env
 from tests.test_losses import _numerical_soft_label
 
 TASK = TaskConfig(model="mlp", norm="none", lr=0.01, momentum=0.0, local_epochs=1, partition="dirichlet",
@@ -42,7 +46,7 @@ def test_soft_labels_are_the_simplex_minimiser_with_the_ramped_alpha0():
     assert fs.alpha0_at(cfg, 40, 2) == pytest.approx(1.0)
     assert fs.alpha0_at(cfg, 5, 2) == pytest.approx(math.exp(-5 * 0.8 ** 2))
     assert fs.alpha0_at(get_algorithm("fedshvr").parse_config({"fedshvr.rampup-epochs": 0.0}), 1, 2) == 1.0
-    env = server_env(TASK, 3, "mismatch")
+    env = library_env(TASK, 3, "mismatch")
     model = env.build_model()
     data = env.bundle.train.subset(env.plan.clients[0].unlabeled[:4])
     for t in (3, 25):
@@ -195,7 +199,7 @@ def test_invariant_sum_omega_d_is_zero_through_client_and_server(task_identity):
         ds.append(fs.correction_from_carry(record_to_numpy(st.array_records[fs.STATE_CARRY]),
                                            record_to_numpy(st.array_records[fs.STATE_PREV]), new,
                                            strat.agg_tau, TASK.lr))
-        env = server_env(TASK, 3, "mismatch")
+        env = library_env(TASK, 3, "mismatch")
         c = env.plan.clients[int(ctx.node_config["partition-id"])]
         om.append(len(c.labeled) + len(c.unlabeled))
     om = np.array(om) / np.sum(om)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from strategies.base import RoundPolicy
+from split_layer.rounds import RoundPolicy
 from strategies.registry import get_algorithm
 from strategies.scala import ScalaStrategy, batch_shares
 from tasks.config import ConfigError
@@ -181,7 +181,7 @@ def _v2_parsed(extra: str = ""):
 
 def _v2_order(seed: int, rnd: int, k: int) -> list[int]:
     """Partitions in the order they visit the server in round ``rnd`` (all ``k`` sampled)."""
-    from strategies.common import derive_seed
+    from tasks.training import derive_seed
 
     return [int(i) for i in np.random.default_rng(derive_seed(seed, "splitfed-v2-order", rnd)).permutation(k)]
 
@@ -193,14 +193,20 @@ def _v2_reference(extra: str = "", fail: tuple[int, int] | None = None) -> dict[
     bottoms. ``fail=(partition, step)``: that client raises when the gradients of step
     ``step - 1`` reach it (its server steps before that count; its bottom is not averaged).
     Shares with the runtime only which batch and which seed a step uses."""
-    from split_layer.cut import bottom_state_keys, load_bottom_state, resolve_cut, split_model
+    from split_layer.cut import (
+        bottom_state_keys,
+        load_bottom_state,
+        resolve_cut,
+        split_model,
+    )
     from split_layer.worker import batch_seed, forward_seed, seeded, step_batch
-    from strategies.common import derive_seed, make_sgd, server_env, to_device_batch
     from tasks.aggregate import weighted_mean
+    from tasks.env import library_env
+    from tasks.training import derive_seed, make_sgd, to_device_batch
 
     p = _v2_parsed(extra)
     task, cfg = p.task, p.algo
-    env = server_env(task, V2_K, "all")
+    env = library_env(task, V2_K, "all")
     model = env.build_model()
     model.train()
     cut = resolve_cut(model, task.cut)
@@ -292,8 +298,8 @@ def test_splitfed_v2_equals_sequential_reference():
     ref = _v2_reference()
     d = _max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
     assert d <= 1e-5, f"max abs diff {d}"
-    from strategies.common import server_env
-    init = server_env(_v2_parsed().task, V2_K, "all").build_model().state_dict()
+    from tasks.env import library_env
+    init = library_env(_v2_parsed().task, V2_K, "all").build_model().state_dict()
     assert _max_diff(init, ref) > 1e-3   # the check can fail: an untrained model is far off
     # the visits followed the seeded order, each node alone for its I iterations
     part = _partition_of(grid)
@@ -334,11 +340,11 @@ def test_splitfed_v2_server_sees_each_node_for_all_its_iterations_in_turn():
     assert len({a, b, c}) == 3 and flat == [a] * V2_I + [b] * V2_I + [c] * V2_I
     assert [step for _, step, _ in s.visits] == list(range(1, V2_I + 1)) * 3
     split = [(m.metadata.dst_node_id, int(m.content.config_records["config"]["split-step"]))
-             for m in grid.sent if m.content.config_records["config"].get("op") == "split"]
+             for m in grid.sent if m.metadata.message_type == "query.split"]
     assert split == [(n, st) for n in (a, b, c) for st in range(1, V2_I + 2)]
     # every node got the same round-start bottom (the global one), not its predecessor's
     firsts = [m.content.array_records["split-arrays.bottom"] for m in grid.sent
-              if m.content.config_records["config"].get("op") == "split"
+              if m.metadata.message_type == "query.split"
               and int(m.content.config_records["config"]["split-step"]) == 1]
     assert len(firsts) == 3
     for rec in firsts[1:]:
@@ -373,7 +379,7 @@ def test_splitfed_v2_too_few_can_finish_skips_and_restores():
     for r in rows:
         assert r["skipped"] == 1 and r["participants"] == 2 and [part[n] for n in r["dropped"]] == [1]
     started = [(int(m.content.config_records["config"]["server-round"]), part[m.metadata.dst_node_id])
-               for m in grid.sent if m.content.config_records["config"].get("op") == "split"
+               for m in grid.sent if m.metadata.message_type == "query.split"
                and int(m.content.config_records["config"]["split-step"]) == 1]
     assert started == [(1, 1), (2, 2), (2, 0), (2, 1)]
     fresh = s.env.build_model().state_dict()     # same seeded init: nothing was applied

@@ -39,8 +39,8 @@ def test_no_cluster_variant_in_process():
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from flower_apps.simulate import fused_run_config
+    from split_layer.rounds import RoundPolicy
     from split_layer.transport import LocalGrid
-    from strategies.base import RoundPolicy
 
     cfg = {**fused_run_config(None), **SMALL, "algo": "semisfl-no-cluster", "semisfl.hidden-label-metrics": False,
            "semisfl.k-u": 1, "device": "cpu"}

@@ -16,9 +16,9 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer import stream as stream_mod
+from split_layer.rounds import RoundPolicy
 from split_layer.stream import StreamOptions
 from split_layer.transport import LocalGrid
-from strategies.base import RoundPolicy
 from strategies.semisfl import PL_COUNTS
 
 K = 3

@@ -26,14 +26,20 @@ import torch.nn.functional as F
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.cut import load_bottom_state, bottom_state_keys, resolve_cut, split_model
+from split_layer.cut import (
+    bottom_state_keys,
+    load_bottom_state,
+    resolve_cut,
+    split_model,
+)
+from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
 from split_layer.worker import batch_seed, forward_seed, seeded, step_batch
-from strategies.base import RoundPolicy
-from strategies.common import derive_seed, make_sgd, server_env, to_device_batch
 from strategies.scala import batch_shares
 from tasks.aggregate import weighted_mean
+from tasks.env import library_env
 from tasks.losses import logit_adjusted_ce
+from tasks.training import derive_seed, make_sgd, to_device_batch
 
 K = 3
 ROUNDS = 2
@@ -58,7 +64,7 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
     """Train in one process, same batches/seeds/losses; return the final global state dict."""
     p = parsed(algo, extra)
     task, cfg = p.task, p.algo
-    env = server_env(task, K, "all")
+    env = library_env(task, K, "all")
     model = env.build_model()
     model.train()
     cut = resolve_cut(model, task.cut)
@@ -165,7 +171,7 @@ def test_equivalence_local_grid(case, transport):
     assert d <= 1e-5, f"{case}: max abs diff {d}"
     # the check can fail: a model that did not train differs by far more
     init = parsed(algo, extra)
-    fresh = server_env(init.task, K, "all").build_model().state_dict()
+    fresh = library_env(init.task, K, "all").build_model().state_dict()
     assert max_diff(fresh, ref) > 1e-3
 
 
@@ -193,7 +199,12 @@ def test_equivalence_simulation(tmp_path, monkeypatch, transport):
     (``test_transports_give_identical_weights_and_bytes``) and through the engine in
     ``tests/test_split_runtime.py::test_fault_through_simulation_engine`` (two Ray starts
     saved, issue 18)."""
-    from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+    from tests.flower_harness import (
+        ROOT,
+        hermetic_env,
+        read_metrics,
+        run_simulation_inprocess,
+    )
 
     for k, v in hermetic_env(tmp_path).items():
         monkeypatch.setenv(k, v)

@@ -12,11 +12,16 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.cut import bottom_state
-from split_layer.transport import TENSORS_KEY, LocalGrid
-from split_layer.validation import SplitValidationError, TensorSpec, check_streams, check_tensor
-from split_layer.worker import step_batch
-from strategies.base import RoundPolicy
+from split_layer.rounds import RoundPolicy
 from split_layer.runtime import SplitStrategy
+from split_layer.transport import TENSORS_KEY, LocalGrid
+from split_layer.validation import (
+    SplitValidationError,
+    TensorSpec,
+    check_streams,
+    check_tensor,
+)
+from split_layer.worker import step_batch
 from strategies.scala import ScalaStrategy
 
 I = 2
@@ -178,7 +183,12 @@ def test_fault_through_simulation_engine(tmp_path, monkeypatch, transport):
     Over the stream the same drop is proven on a real gRPC endpoint
     (``tests/test_split_stream.py``: failing, broken and silent nodes) and the stream through
     the engine by ``test_equivalence_simulation[stream]`` (one Ray start saved, issue 18)."""
-    from tests.flower_harness import ROOT, hermetic_env, read_metrics, run_simulation_inprocess
+    from tests.flower_harness import (
+        ROOT,
+        hermetic_env,
+        read_metrics,
+        run_simulation_inprocess,
+    )
 
     for k, v in hermetic_env(tmp_path).items():
         monkeypatch.setenv(k, v)

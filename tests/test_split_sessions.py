@@ -27,9 +27,16 @@ import torch
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.stream import STREAM_KEYS, StreamClient, StreamError, StreamOptions, _Server, encode
+from split_layer.rounds import RoundPolicy
+from split_layer.stream import (
+    STREAM_KEYS,
+    StreamClient,
+    StreamError,
+    StreamOptions,
+    _Server,
+    encode,
+)
 from split_layer.transport import LocalGrid
-from strategies.base import RoundPolicy
 
 K = 3
 BASE = ("algo='scala' model='cnn' norm='bn' dropout=0.5 partition='quantity' partition-classes-per-client=4 "
@@ -40,7 +47,7 @@ def split_messages(grid: LocalGrid) -> dict[int, int]:
     """Flower messages of op ``split`` per node (each one starts a session, or a message-path step)."""
     out: dict[int, int] = {}
     for m in grid.sent:
-        if m.content.config_records["config"].get("op") == "split":
+        if m.metadata.message_type == "query.split":
             out[m.metadata.dst_node_id] = out.get(m.metadata.dst_node_id, 0) + 1
     return out
 

@@ -16,10 +16,19 @@ import pytest
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.stream import (STREAM_KEYS, StreamClient, StreamConfigError, StreamError, StreamOptions,
-                                StreamTransport, decode, encode, simulation_concurrency)
+from split_layer.rounds import RoundPolicy
+from split_layer.stream import (
+    STREAM_KEYS,
+    StreamClient,
+    StreamConfigError,
+    StreamError,
+    StreamOptions,
+    StreamTransport,
+    decode,
+    encode,
+    simulation_concurrency,
+)
 from split_layer.transport import Envelope, LocalGrid
-from strategies.base import RoundPolicy
 from tasks.config import ConfigError
 
 K = 3
@@ -232,7 +241,9 @@ def test_other_ops_go_through_flower_messages():
         return reply(msg, Envelope(config={"partition-id": 0}))
 
     grid = LocalGrid(K, handler)
-    from strategies.base import SSLStrategy  # FlowerTransport needs strategy.exchange
+    from split_layer.rounds import (
+        SSLStrategy,  # FlowerTransport needs strategy.exchange
+    )
 
     class S(Owner):
         exchange = SSLStrategy.exchange
@@ -291,6 +302,7 @@ def test_tls_follows_the_address_clients_dial_not_the_bind_host():
 
 def test_every_round_has_its_own_certificate_valid_for_the_round():
     from cryptography import x509
+
     from split_layer.stream import _Server
     certs = []
     for _ in range(2):
@@ -349,8 +361,13 @@ def test_the_client_waits_at_most_its_timeout_for_each_frame():
 def test_session_frames_decode_only_what_they_claim():
     """A session's weights and config travel in frame headers: what a hostile node can put
     there is refused with a StreamError (the node is dropped), never half-applied."""
-    from split_layer.stream import (config_from_json, config_to_json, metrics_from_json, pack_arrays,
-                                    unpack_arrays)
+    from split_layer.stream import (
+        config_from_json,
+        config_to_json,
+        metrics_from_json,
+        pack_arrays,
+        unpack_arrays,
+    )
 
     arrays = {"bottom": {"a.weight": np.ones((2, 2), np.float32), "n/b": np.array(3)}, "teacher": {}}
     table, tensors = pack_arrays(arrays)

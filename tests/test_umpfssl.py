@@ -9,13 +9,22 @@ import math
 import numpy as np
 import pytest
 import torch
-from split_layer.transport import LocalGrid
 from flwr.supercore.task_identity import TaskIdentity
 
 from flower_apps.client_app import dispatch
-from strategies.base import RoundPolicy
-from strategies.umpfssl import (ALGORITHMS, CORR_FLOOR, UMPFSSLConfig, cost2, normalized_entropy,
-                                relation_score, replace_helpers, refresh_ids, select_pseudo_labels)
+from split_layer.rounds import RoundPolicy
+from split_layer.transport import LocalGrid
+from strategies.umpfssl import (
+    ALGORITHMS,
+    CORR_FLOOR,
+    UMPFSSLConfig,
+    cost2,
+    normalized_entropy,
+    refresh_ids,
+    relation_score,
+    replace_helpers,
+    select_pseudo_labels,
+)
 from tasks.config import ConfigError, TaskConfig
 from tasks.losses import mc_dropout_predict
 
@@ -231,8 +240,8 @@ def test_baselines_run_and_evaluate_per_client(algo):
     elif algo == "fedper-fix":
         heads = [c.state.array_records["umpfssl.head"] for c in grid.contexts.values()]
         assert all(set(h.keys()) == {"stages.head.0.weight", "stages.head.0.bias"} for h in heads)
-        from strategies.base import array_bytes
-        from strategies.common import model_to_record
+        from split_layer.records import model_to_record
+        from split_layer.rounds import array_bytes
         body = [k for k in strat.model.state_dict() if not k.startswith("stages.head.")]
         assert r["bytes.weights.up"] == 3 * array_bytes(model_to_record(strat.model, body))  # head stays
     else:

@@ -19,6 +19,7 @@ the round itself has another shape (server-only training, split learning).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import time
@@ -36,10 +37,24 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from tasks.aggregate import weighted_mean
-from tasks.config import TaskConfig
+from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
+from tasks.env import Env, NodeData, library_env, user_env
+from tasks.training import derive_seed, evaluate, load_numpy_state
 
-from .common import (ALGO_KEY, ARRAYS_KEY, CONFIG_KEY, EVAL_OPS, INFO_OPS, METRICS_KEY, TASK_KEY, Env,
-                     derive_seed, evaluate, load_numpy_state, record_to_numpy, server_env, task_record)
+from .records import (
+    ALGO_KEY,
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    EVAL_ACTIONS,
+    INFO_ACTIONS,
+    METRICS_KEY,
+    NODE_INFO,
+    TASK_KEY,
+    model_to_record,
+    query,
+    record_to_numpy,
+    task_record,
+)
 
 
 @dataclass
@@ -83,6 +98,9 @@ def array_bytes(rec: ArrayRecord) -> int:
 class SSLStrategy(Strategy):
     """Base strategy: round loop, sampling, faults, bytes, evaluation, checkpoints.
 
+    Every argument is optional; the defaults are the paper's (the algorithm's config
+    dataclass) and the library's (``TaskConfig``, ``RoundPolicy``).
+
     Parameters
     ----------
     task : TaskConfig
@@ -90,18 +108,71 @@ class SSLStrategy(Strategy):
     cfg : dataclass
         The algorithm's own config (sent to every client as the ``algo`` record).
     algo : str
-        The registry name; clients dispatch on it.
+        Which of the algorithms of this class runs (a variant or baseline, e.g.
+        ``"fed-pseudo"`` of ``FedSHVRStrategy``); default: the class's own. Any other
+        name is a ``ConfigError``.
     policy : RoundPolicy
         Sampling, timeout and minimum number of nodes per round.
+    model : torch.nn.Module or a function returning one
+        The user's own model (else the task config's named model and dataset). For a split
+        algorithm: a ``tasks.models.StagedModel``, ``(bottom, top)`` or ``nn.Sequential``
+        with ``cut=<index>`` (:func:`tasks.models.as_staged`).
+    labeled_data, test_data
+        The server's own labeled set (algorithms with labels on the server) and test set
+        (evaluated every round; else ``start(evaluate_fn=...)`` evaluates): ``(x, y)``
+        arrays or tensors, uint8 or float in [0, 1], ``[N, C, H, H]`` (``tasks.data.as_dataset``).
+    num_classes, augmenter, flip
+        Number of classes (default: from the labels), the weak/strong augmenter (default
+        ``tasks.augment.Augmenter(C, H, flip=flip)``).
+    **options
+        Any field of the algorithm's config, of ``TaskConfig`` (``lr``, ``batch_size``,
+        ``local_epochs``, ``local_steps``, ``seed``, ``device``, ``cut``...) or of
+        ``RoundPolicy`` (``fraction_train``, ``min_nodes``, ``round_timeout``...), checked
+        against the same ranges and choices as the run config.
     """
 
     label_mode: str = "all"      # how the partition plan labels data (tasks.partition.LABEL_MODES)
     uses_clients: bool = True    # False for server-only baselines (supervised-only)
     with_client_test: bool = False
+    staged: bool = False         # split algorithms: models are StagedModels (tasks.models.as_staged)
+    #: registry name -> spec of every algorithm this class runs, its own first (set by
+    #: ``strategies.registry.bind``); a spec builds the config: ``spec.build_config(cfg, options)``
+    specs: dict[str, Any] = {}
 
-    def __init__(self, task: TaskConfig, cfg: Any, algo: str, policy: RoundPolicy | None = None) -> None:
+    def __init__(self, task: TaskConfig | None = None, cfg: Any = None, algo: str | None = None,
+                 policy: RoundPolicy | None = None, *, model: Any = None, labeled_data: Any = None,
+                 test_data: Any = None, num_classes: int | None = None, augmenter: Any = None,
+                 flip: bool = False, **options: Any) -> None:
+        specs = type(self).specs
+        if algo is None:
+            algo = next(iter(specs), type(self).__name__)
+        elif specs and algo not in specs:
+            raise ConfigError(f"algo={algo!r} is not run by {type(self).__name__}; it runs: {', '.join(specs)}")
+        policy = policy or RoundPolicy()
+        task = task or TaskConfig()
+        by_target: dict[str, dict[str, Any]] = {"policy": {}, "task": {}, "algo": {}}
+        policy_names = {f.name for f, _ in fields_of(RoundPolicy)}
+        task_names = {f.name for f, _ in fields_of(TaskConfig)}
+        for name, value in options.items():
+            target = "policy" if name in policy_names else "task" if name in task_names else "algo"
+            by_target[target][name] = value
+        if algo in specs:
+            cfg = specs[algo].build_config(cfg, by_target["algo"])
+        elif by_target["algo"]:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) "
+                            f"{', '.join(sorted(by_target['algo']))}")
+        if by_target["policy"]:
+            policy = dataclasses.replace(policy, **by_target["policy"])
+        if by_target["task"]:
+            task = replace_checked(task, **by_target["task"])
         self.task, self.cfg, self.algo = task, cfg, algo
-        self.policy = policy or RoundPolicy()
+        self.policy = policy
+        self.user = None
+        if model is not None:
+            self.user = dict(model=model, data=NodeData.of(labeled=labeled_data, test=test_data),
+                             num_classes=num_classes, augmenter=augmenter, flip=flip)
+        elif labeled_data is not None or test_data is not None:
+            raise ConfigError("labeled_data/test_data are a user's own data: pass your model too (model=...)")
         self.meter = ByteMeter()
         self.rng = random.Random(task.seed)
         self.env: Env | None = None
@@ -124,9 +195,18 @@ class SSLStrategy(Strategy):
             return
         nodes = self.wait_for_nodes(grid) if (grid is not None and self.uses_clients) else []
         self.num_partitions = len(nodes) or max(self.policy.min_nodes, 1)
-        self.env = server_env(self.task, self.num_partitions, self.label_mode, self.with_client_test)
+        self.env = self.make_env()
         self.model = self.env.build_model()
         self.setup_algorithm()
+
+    def make_env(self) -> Env:
+        """The server's Env: the user's model and data (``model=...``), else the library's
+        dataset named by the task config, partitioned over the nodes seen."""
+        if self.user is not None:
+            u = self.user
+            return user_env(self.task, u["model"], u["data"], num_classes=u["num_classes"],
+                            augmenter=u["augmenter"], flip=u["flip"], staged=self.staged)
+        return library_env(self.task, self.num_partitions, self.label_mode, self.with_client_test)
 
     def setup_algorithm(self) -> None:
         """Hook for subclasses: extra server-side models, optimizers, queues."""
@@ -170,14 +250,11 @@ class SSLStrategy(Strategy):
         ``flower_apps.client_app.dispatch``); ``partition_of[node]`` and ``partition_count``
         (the nodes' ``num-partitions``) are filled. Returns the nodes of ``nodes`` whose
         partition is known (a node that does not answer is asked once, never again)."""
-        from .common import NODE_INFO_OP
-
         todo = [n for n in nodes if n not in self._asked and n not in self.partition_of]
         if not todo:
             return [n for n in nodes if n in self.partition_of]
         self._asked.update(todo)
-        msgs = [Message(self.base_content(0, op=NODE_INFO_OP), dst_node_id=n, message_type="query")
-                for n in todo]
+        msgs = [query(self.base_content(0, action=NODE_INFO), n, NODE_INFO) for n in todo]
         pending = set(grid.push_messages(msgs))
         deadline = time.time() + min(self.policy.round_timeout, 120.0)
         while pending and time.time() < deadline:
@@ -186,6 +263,8 @@ class SSLStrategy(Strategy):
                 if r.has_error() or CONFIG_KEY not in r.content.config_records:
                     continue  # sampled after the nodes that answered
                 info = r.content.config_records[CONFIG_KEY]
+                if int(info["partition-id"]) < 0:
+                    continue  # a user's node without a partition id: sampled in node-id order
                 self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
             if pending:
                 time.sleep(poll)
@@ -198,11 +277,15 @@ class SSLStrategy(Strategy):
         if int(num_partitions or 0) > 0:
             self.partition_count = int(num_partitions)
 
-    def base_content(self, server_round: int, **config: Any) -> RecordDict:
-        op = str(config.get("op", ""))
-        user = ({} if op in INFO_OPS else self.evaluate_config if op in EVAL_OPS else self.train_config)
+    def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict:
+        """The records of a message for ``action``: the task, the algorithm config, and the
+        config (Flower's ``train_config``/``evaluate_config`` by action, then the round's values)."""
+        user = ({} if action in INFO_ACTIONS else self.evaluate_config if action in EVAL_ACTIONS
+                else self.train_config)
         cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key,
                "state-session": self.session, **config}
+        if self.env is not None:
+            cfg.setdefault("num-classes", self.env.num_classes)
         return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
                            CONFIG_KEY: ConfigRecord(cfg)})
 
@@ -247,7 +330,6 @@ class SSLStrategy(Strategy):
 
     # ------------------------------------------------------------------ FedAvg-style round
     def global_arrays(self) -> ArrayRecord:
-        from .common import model_to_record
         return model_to_record(self.model)
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -317,14 +399,17 @@ class SSLStrategy(Strategy):
         return self.model
 
     def evaluate_global(self) -> dict[str, Any]:
+        """Accuracy, loss and per-class accuracy on the server's test set (none given: ``{}``,
+        and ``start(evaluate_fn=...)`` is the evaluation)."""
         env = self.env
-        return evaluate(self.eval_model(), env.bundle.test, aug=env.augmenter, device=env.device,
+        if env.test is None or len(env.test) == 0:
+            return {}
+        return evaluate(self.eval_model(), env.test, aug=env.augmenter, device=env.device,
                         num_classes=env.num_classes)
 
     def result_arrays(self) -> ArrayRecord:
         """What ``start`` returns as ``Result.arrays`` and passes to ``evaluate_fn``: the
         evaluated model (override: per-client models of a personalized algorithm)."""
-        from .common import model_to_record
         return model_to_record(self.eval_model())
 
     def load_initial_arrays(self, arrays: ArrayRecord) -> None:

@@ -1,39 +1,26 @@
-"""Building blocks shared by every algorithm: environments, local loops, evaluation, records.
+"""Local training loops, evaluation and their helpers: plain torch, no Flower.
 
-Client side: :func:`client_env` rebuilds a node's data partition, model factory and
-augmenter from the ``task`` ConfigRecord that every server message carries (plus the
-node's ``partition-id``/``num-partitions`` node config), so a ClientApp needs no
-other setup and no state beyond ``context.state``.
-Server side: :func:`server_env` builds the same objects for the ServerApp.
+Every algorithm's client and server code trains through these: seeded mini-batch cursors
+(:func:`batch_indices`), SGD from the task config (:func:`make_sgd`), the supervised and
+FixMatch local loops and the accuracy/loss/per-class evaluation. ``load_numpy_state`` is
+the one state-dict <- numpy conversion (checked keys, shapes and finiteness); its Flower
+counterparts (``ArrayRecord``) live in :mod:`split_layer.records`.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from tasks.augment import Augmenter
-from tasks.config import ConfigError, TaskConfig, parse_dataclass, to_flat
-from tasks.data import ArrayDataset, DatasetBundle, load_dataset
-from tasks.models import StagedModel, build_model
-from tasks.partition import PartitionConfig, PartitionPlan, make_plan
-
-TASK_KEY = "task"        # ConfigRecord: the flat TaskConfig
-ALGO_KEY = "algo"        # ConfigRecord: the flat algorithm config
-CONFIG_KEY = "config"    # ConfigRecord: per-message values (server-round, op, ...)
-ARRAYS_KEY = "arrays"    # ArrayRecord: model weights
-METRICS_KEY = "metrics"  # MetricRecord: reply metrics
+from tasks.config import ConfigError, TaskConfig
+from tasks.data import ArrayDataset
 
 
-# --------------------------------------------------------------------------- seeds, devices
 def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (run seed, round, node, step, purpose...)."""
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
@@ -47,150 +34,6 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available here; use device='auto' or 'cpu'")
     return dev
-
-
-# --------------------------------------------------------------------------- environments
-def partition_config(task: TaskConfig, label_mode: str = "server") -> PartitionConfig:
-    """The partitioner's config. ``server-labels`` only matters with ``label_mode='server'``;
-    elsewhere its default is dropped silently and another value is passed on (and warned about)."""
-    default = TaskConfig.__dataclass_fields__["server_labels"].default
-    server_labels = task.server_labels
-    if label_mode != "server" and server_labels == default:
-        server_labels = 0
-    return PartitionConfig(
-        scheme=task.partition, alpha=task.partition_alpha,
-        classes_per_client=task.partition_classes_per_client, r=task.partition_r,
-        server_labels=server_labels, labeled_alpha=task.partition_labeled_alpha,
-        mismatch_ratio=task.partition_mismatch_ratio,
-        labeled_per_client=task.partition_labeled_per_client,
-        labeled_classes_per_client=task.partition_labeled_classes,
-        min_size=task.partition_min_size, seed=task.seed)
-
-
-def load_bundle(task: TaskConfig) -> DatasetBundle:
-    return load_dataset(task.dataset, seed=task.seed, test_fraction=task.test_fraction,
-                        split=task.dataset_split, image_key=task.image_key, label_key=task.label_key)
-
-
-@functools.lru_cache(maxsize=8)
-def _plan_cached(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool) -> PartitionPlan:
-    bundle = load_bundle(task)
-    return make_plan(bundle.train.y, num_partitions, partition_config(task, label_mode), label_mode=label_mode,
-                     test_labels=bundle.test.y if with_test else None)
-
-
-def make_augmenter(bundle: DatasetBundle) -> Augmenter:
-    return Augmenter(bundle.in_channels, bundle.image_size, flip=not bundle.is_digits)
-
-
-@dataclass
-class Env:
-    """Data, partition plan, model factory and augmenter for one side of a run."""
-
-    task: TaskConfig
-    bundle: DatasetBundle
-    plan: PartitionPlan
-    device: torch.device
-    augmenter: Augmenter
-    partition_id: int = -1          # -1 on the server
-    num_partitions: int = 0
-
-    def build_model(self) -> StagedModel:
-        torch.manual_seed(derive_seed(self.task.seed, "init"))  # same init on every node
-        t = self.task
-        return build_model(t.model, in_channels=self.bundle.in_channels,
-                           num_classes=self.bundle.num_classes, image_size=self.bundle.image_size,
-                           norm=t.norm, dropout=t.dropout).to(self.device)
-
-    @property
-    def num_classes(self) -> int:
-        return self.bundle.num_classes
-
-    # client data
-    def labeled(self) -> ArrayDataset:
-        return self.bundle.train.subset(self.plan.clients[self.partition_id].labeled)
-
-    def unlabeled(self) -> ArrayDataset:
-        return self.bundle.train.subset(self.plan.clients[self.partition_id].unlabeled)
-
-    def client_test(self) -> ArrayDataset | None:
-        idx = self.plan.clients[self.partition_id].test
-        return None if idx is None else self.bundle.test.subset(idx)
-
-    # server data
-    def server_labeled(self) -> ArrayDataset:
-        return self.bundle.train.subset(self.plan.server_labeled)
-
-
-def task_from_record(rec: ConfigRecord) -> TaskConfig:
-    return parse_dataclass(TaskConfig, dict(rec), strict=False)
-
-
-NODE_INFO_OP = "node-info"  # query op every ClientApp of this library answers (see node_info)
-# ops that ask a node about itself (no user config, node state not saved) and ops that evaluate
-# (evaluate_config, node state not saved); every other message trains
-INFO_OPS = (NODE_INFO_OP, "split-info")
-EVAL_OPS = ("client-eval", "evaluate")
-
-
-def node_partition(context: Context) -> tuple[int, int]:
-    """(partition-id, num-partitions) from the node config, validated."""
-    nc = context.node_config
-    try:
-        pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
-    except (KeyError, ValueError) as e:
-        raise ConfigError(
-            "this SuperNode has no usable node config: start it with "
-            "--node-config \"partition-id=<i> num-partitions=<n>\"") from e
-    if not 0 <= pid < n:
-        raise ConfigError(f"node config partition-id={pid} is outside [0, num-partitions={n})")
-    return pid, n
-
-
-def node_info(msg: Message, context: Context) -> Message:
-    """Reply to a ``node-info`` query: this node's partition id (the server samples in partition
-    order, so that runs repeat although simulated node ids are random)."""
-    pid, n = node_partition(context)
-    return Message(RecordDict({CONFIG_KEY: ConfigRecord({"partition-id": pid, "num-partitions": n})}),
-                   reply_to=msg)
-
-
-def client_env(msg: Message, context: Context, label_mode: str, with_test: bool = False) -> Env:
-    """The node's environment, rebuilt from the message's ``task`` record (cached per process)."""
-    task = task_from_record(msg.content.config_records[TASK_KEY])
-    nc = context.node_config
-    pid, n = node_partition(context)
-    local = task
-    if str(nc.get("data-path", "")):  # this node's own copy of the same dataset (docs/deployment.md)
-        local = dataclasses.replace(task, dataset=str(nc["data-path"]))
-    bundle = load_bundle(local)
-    if local is not task:  # keep the run's dataset name (it selects e.g. flip augmentation)
-        bundle = dataclasses.replace(bundle, name=task.dataset)
-    plan = _plan_cached(local, n, label_mode, with_test)
-    return Env(task, bundle, plan, resolve_device(task.device), make_augmenter(bundle), pid, n)
-
-
-def server_env(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool = False) -> Env:
-    bundle = load_bundle(task)
-    plan = _plan_cached(task, max(num_partitions, 1), label_mode, with_test)
-    return Env(task, bundle, plan, resolve_device(task.device), make_augmenter(bundle))
-
-
-# --------------------------------------------------------------------------- records
-def model_to_record(model: torch.nn.Module, keys: list[str] | None = None) -> ArrayRecord:
-    sd = model.state_dict()
-    if keys is not None:
-        sd = {k: sd[k] for k in keys}
-    return numpy_to_record({k: v.detach().cpu().numpy() for k, v in sd.items()})
-
-
-def numpy_to_record(state: dict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(v if v.flags.c_contiguous else v.copy(order="C"))
-                        for k, v in state.items()})
-
-
-def record_to_numpy(rec: ArrayRecord) -> dict[str, np.ndarray]:
-    return {k: rec[k].numpy() for k in rec.keys()}
 
 
 def load_numpy_state(model: torch.nn.Module, state: dict[str, np.ndarray], strict: bool = True) -> None:
@@ -214,7 +57,6 @@ def trainable_keys(model: torch.nn.Module) -> list[str]:
     return [k for k, _ in model.named_parameters()]
 
 
-# --------------------------------------------------------------------------- local loops
 def make_sgd(params, task: TaskConfig, lr: float | None = None, nesterov: bool = False) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=task.lr if lr is None else lr, momentum=task.momentum,
                            weight_decay=task.weight_decay, nesterov=nesterov and task.momentum > 0)
@@ -372,7 +214,3 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, devi
     per_class = [float(c) / float(k) if k > 0 else float("nan") for c, k in zip(correct, count)]
     return {"accuracy": float(correct.sum()) / n, "loss": loss_sum / n,
             "per-class-accuracy": [0.0 if math.isnan(p) else p for p in per_class]}
-
-
-def task_record(task: TaskConfig) -> ConfigRecord:
-    return ConfigRecord(to_flat(task))

@@ -1,1 +1,0 @@
-"""A third-party Flower app that reuses flower-ssl's SSFL algorithm (no flower_apps)."""

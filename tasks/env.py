@@ -1,0 +1,219 @@
+"""One side of a run: its data, model factory, augmenter and device (plain torch, no Flower).
+
+Every algorithm reads its data and builds its model through an :class:`Env`, so the
+algorithms do not know where either comes from. Two builders make one:
+
+* :func:`library_env`: the library's own app. The dataset is named by
+  ``TaskConfig.dataset`` and partitioned by its ``partition*`` keys
+  (:mod:`tasks.partition`); the model is built by name (:mod:`tasks.models`).
+* :func:`user_env`: a user's own model and own data. This is the public API
+  (:mod:`strategies.api`): the server's labeled and test sets, or a node's
+  labeled/unlabeled/test sets.
+
+A node's ``Env`` holds that node's data only. The server's holds its labeled set (as
+``labeled``) and the test set.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.augment import Augmenter
+from tasks.config import ConfigError, TaskConfig
+from tasks.data import ArrayDataset, DatasetBundle, as_dataset, load_dataset
+from tasks.models import as_staged, build_model
+from tasks.partition import PartitionConfig, PartitionPlan, make_plan
+from tasks.training import derive_seed, resolve_device
+
+
+@dataclass
+class NodeData:
+    """The data one side of a run holds. Any set may be missing (``None``)."""
+
+    labeled: ArrayDataset | None = None
+    unlabeled: ArrayDataset | None = None
+    test: ArrayDataset | None = None
+
+    @classmethod
+    def of(cls, labeled: Any = None, unlabeled: Any = None, test: Any = None) -> "NodeData":
+        """Convert a user's sets (see :func:`tasks.data.as_dataset`). ``unlabeled`` may be
+        images only; its labels, if given, are used for no loss, only for the metrics that
+        report pseudo-label accuracy."""
+        return cls(None if labeled is None else as_dataset(labeled, "labeled", need_labels=True),
+                   None if unlabeled is None else as_dataset(unlabeled, "unlabeled"),
+                   None if test is None else as_dataset(test, "test", need_labels=True))
+
+    def first(self) -> ArrayDataset | None:
+        return next((d for d in (self.labeled, self.unlabeled, self.test) if d is not None), None)
+
+
+@dataclass
+class Env:
+    """Data, model factory, augmenter and device of the server or of one node."""
+
+    task: TaskConfig
+    device: torch.device
+    augmenter: Augmenter | None     # None: a server without data (it then never augments)
+    num_classes: int
+    model_fn: Callable[[], nn.Module]
+    data: NodeData = field(default_factory=NodeData)
+    partition_id: int = -1          # -1 on the server
+    num_partitions: int = 0
+    plan: PartitionPlan | None = None   # the library's partition plan (library_env only)
+    bundle: DatasetBundle | None = None  # the library's whole dataset (library_env only)
+    seeded_init: bool = True        # build_model seeds torch first (library models: same init everywhere)
+
+    def build_model(self) -> nn.Module:
+        if self.seeded_init:
+            torch.manual_seed(derive_seed(self.task.seed, "init"))  # same init on every node
+        return self.model_fn().to(self.device)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        if self.augmenter is None:
+            raise ConfigError("the image shape is unknown: pass some data (test_data=...) or an augmenter")
+        return (self.augmenter.in_channels, self.augmenter.image_size, self.augmenter.image_size)
+
+    def _empty(self) -> ArrayDataset:
+        return ArrayDataset(np.zeros((0, *self.input_shape), np.uint8), np.zeros(0, np.int64))
+
+    # a node's data (on the server: ``labeled`` is its labeled set)
+    def labeled(self) -> ArrayDataset:
+        return self.data.labeled if self.data.labeled is not None else self._empty()
+
+    def unlabeled(self) -> ArrayDataset:
+        return self.data.unlabeled if self.data.unlabeled is not None else self._empty()
+
+    def client_test(self) -> ArrayDataset | None:
+        return self.data.test
+
+    # the server's data
+    def server_labeled(self) -> ArrayDataset:
+        return self.labeled()
+
+    @property
+    def test(self) -> ArrayDataset | None:
+        return self.data.test
+
+    def client_unlabeled_sizes(self) -> list[int] | None:
+        """Sizes of every node's unlabeled set, where the server knows them (library_env)."""
+        return None if self.plan is None else [len(c.unlabeled) for c in self.plan.clients]
+
+
+# --------------------------------------------------------------------------- the library's data
+def partition_config(task: TaskConfig, label_mode: str = "server") -> PartitionConfig:
+    """The partitioner's config. ``server-labels`` only matters with ``label_mode='server'``;
+    elsewhere its default is dropped silently and another value is passed on (and warned about)."""
+    default = TaskConfig.__dataclass_fields__["server_labels"].default
+    server_labels = task.server_labels
+    if label_mode != "server" and server_labels == default:
+        server_labels = 0
+    return PartitionConfig(
+        scheme=task.partition, alpha=task.partition_alpha,
+        classes_per_client=task.partition_classes_per_client, r=task.partition_r,
+        server_labels=server_labels, labeled_alpha=task.partition_labeled_alpha,
+        mismatch_ratio=task.partition_mismatch_ratio,
+        labeled_per_client=task.partition_labeled_per_client,
+        labeled_classes_per_client=task.partition_labeled_classes,
+        min_size=task.partition_min_size, seed=task.seed)
+
+
+def load_bundle(task: TaskConfig) -> DatasetBundle:
+    return load_dataset(task.dataset, seed=task.seed, test_fraction=task.test_fraction,
+                        split=task.dataset_split, image_key=task.image_key, label_key=task.label_key)
+
+
+@functools.lru_cache(maxsize=8)
+def plan_cached(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool) -> PartitionPlan:
+    bundle = load_bundle(task)
+    return make_plan(bundle.train.y, num_partitions, partition_config(task, label_mode), label_mode=label_mode,
+                     test_labels=bundle.test.y if with_test else None)
+
+
+def make_augmenter(bundle: DatasetBundle) -> Augmenter:
+    return Augmenter(bundle.in_channels, bundle.image_size, flip=not bundle.is_digits)
+
+
+def library_env(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool = False,
+                partition_id: int = -1, local_dataset: str = "") -> Env:
+    """The library app's Env: the server's (``partition_id=-1``) or node ``partition_id``'s.
+
+    ``local_dataset``: a node's own copy of the run's dataset (node config ``data-path``),
+    partitioned as the server partitions the original."""
+    source = task if not local_dataset else dataclasses.replace(task, dataset=local_dataset)
+    bundle = load_bundle(source)
+    if source is not task:  # keep the run's dataset name (it selects e.g. flip augmentation)
+        bundle = DatasetBundle(task.dataset, bundle.train, bundle.test, bundle.num_classes)
+    plan = plan_cached(source, max(num_partitions, 1), label_mode, with_test)
+    if partition_id < 0:
+        data = NodeData(labeled=bundle.train.subset(plan.server_labeled), test=bundle.test)
+    else:
+        part = plan.clients[partition_id]
+        data = NodeData(labeled=bundle.train.subset(part.labeled), unlabeled=bundle.train.subset(part.unlabeled),
+                        test=None if part.test is None else bundle.test.subset(part.test))
+
+    def model_fn() -> nn.Module:
+        return build_model(task.model, in_channels=bundle.in_channels, num_classes=bundle.num_classes,
+                           image_size=bundle.image_size, norm=task.norm, dropout=task.dropout)
+
+    return Env(task, resolve_device(task.device), make_augmenter(bundle), bundle.num_classes, model_fn, data,
+               partition_id, num_partitions, plan, bundle)
+
+
+# --------------------------------------------------------------------------- a user's data
+def _staged(model: Any, cut: str | None) -> nn.Module:
+    try:
+        return as_staged(model, cut)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data: NodeData, *,
+             num_classes: int | None = None, augmenter: Augmenter | None = None, flip: bool = False,
+             partition_id: int = -1, num_partitions: int = 0, staged: bool = False) -> Env:
+    """An Env over a user's own model and data.
+
+    ``model``: a module (every :meth:`Env.build_model` returns a deep copy of it, with its
+    weights) or a zero-argument factory. ``num_classes``: default is the largest label
+    seen + 1. ``augmenter``: default ``Augmenter(C, H, flip=flip)`` for the data's
+    ``[C, H, H]`` images (FixMatch's weak and strong views). ``staged``: a split algorithm's
+    Env, whose models are :class:`tasks.models.StagedModel` (:func:`tasks.models.as_staged`
+    with ``task.cut``: a ``(bottom, top)`` pair, or an ``nn.Sequential`` cut after a child).
+    """
+    cut = task.cut or None
+    if staged and isinstance(model, (tuple, list)):
+        model = _staged(model, cut)
+    if isinstance(model, nn.Module):
+        proto = model
+        model_fn: Callable[[], nn.Module] = lambda: copy.deepcopy(proto)  # noqa: E731
+    elif callable(model):
+        model_fn = model
+    else:
+        raise ConfigError(f"model must be a torch.nn.Module or a function returning one, got {type(model).__name__}")
+    if staged:
+        base_fn = model_fn
+        model_fn = lambda: _staged(base_fn(), cut)  # noqa: E731
+        _staged(base_fn(), cut)  # a model split learning cannot cut fails here, before any node is asked
+    sample = data.first()
+    if augmenter is None and sample is not None:
+        c, h, w = sample.x.shape[1:]
+        if h != w:
+            raise ConfigError(f"images must be square [C, H, H]; got [C, H, W] = {[c, h, w]}")
+        try:
+            augmenter = Augmenter(int(c), int(h), flip=flip)
+        except ValueError as e:
+            raise ConfigError(f"images of shape {[c, h, w]}: {e}") from None
+    if num_classes is None:
+        ys = [d.y for d in (data.labeled, data.test) if d is not None and len(d)]
+        if not ys:
+            raise ConfigError("num_classes is needed when no labeled or test data is given (num_classes=...)")
+        num_classes = int(max(int(y.max()) for y in ys)) + 1
+    return Env(task, resolve_device(task.device), augmenter, int(num_classes), model_fn, data,
+               partition_id, num_partitions, seeded_init=False)
