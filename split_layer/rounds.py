@@ -185,6 +185,7 @@ class SSLStrategy(Strategy):
         self.train_config: dict[str, Any] = {}     # Flower's start(train_config=...): in every training message
         self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
         self.initial_given = False                 # start(initial_arrays=...) was used
+        self.num_rounds = 0                        # start()'s num_rounds: the horizon of schedules
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
         self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
 
@@ -207,6 +208,10 @@ class SSLStrategy(Strategy):
             return user_env(self.task, u["model"], u["data"], num_classes=u["num_classes"],
                             augmenter=u["augmenter"], flip=u["flip"], staged=self.staged)
         return library_env(self.task, self.num_partitions, self.label_mode, self.with_client_test)
+
+    def begin_run(self) -> None:
+        """Hook: ``start()`` calls it after :meth:`setup`, before the first round, with
+        ``self.num_rounds`` set (e.g. schedules over the run's rounds)."""
 
     def setup_algorithm(self) -> None:
         """Hook for subclasses: extra server-side models, optimizers, queues."""
@@ -462,7 +467,9 @@ class SSLStrategy(Strategy):
         self.train_config = dict(train_config or {})
         self.evaluate_config = dict(evaluate_config or {})
         self.session = uuid.uuid4().hex
+        self.num_rounds = int(num_rounds)
         self.setup(grid)
+        self.begin_run()
         if initial_arrays is not None and start_round == 1:
             self.load_initial_arrays(initial_arrays)
         result = Result()

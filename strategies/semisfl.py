@@ -560,17 +560,14 @@ class SemiSFLStrategy(SplitStrategy):
                                   augmenter=self.env.augmenter, device=self.env.device, lr=t.lr,
                                   momentum=t.momentum, weight_decay=t.weight_decay,
                                   seed=derive_seed(t.seed, "semisfl-server"),
-                                  num_rounds=getattr(self, "num_rounds", 100))
+                                  num_rounds=self.num_rounds or 100)
         self._teacher_np: dict[str, np.ndarray] = {}
         self._round_metrics: dict[str, Any] = {}
         self._lr = t.lr
 
-    def start(self, grid, initial_arrays=None, num_rounds: int = 3, *args, **kwargs):
-        self.num_rounds = num_rounds
-        self.setup(grid)
-        self.core.num_rounds = num_rounds
-        self.core.controller.milestone_every = milestone_period(self.cfg, num_rounds)
-        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
+    def begin_run(self) -> None:
+        self.core.num_rounds = self.num_rounds
+        self.core.controller.milestone_every = milestone_period(self.cfg, self.num_rounds)
 
     # ------------------------------------------------------------------ hooks
     def local_iterations(self) -> int:

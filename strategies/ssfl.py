@@ -85,7 +85,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -276,7 +276,6 @@ class SSFLStrategy(SSLStrategy):
         super().__init__(*args, **kwargs)
         if self.user is None and self.task.server_labels <= 0:
             raise ConfigError("ssfl needs server-labels > 0 (N_s class-balanced labeled samples on the server)")
-        self.num_rounds = 0
         self.period = 0
         self.keys: list[str] = []
         self.classifier_keys: list[str] = []
@@ -301,11 +300,6 @@ class SSFLStrategy(SSLStrategy):
                                   "steps); the server does not know the nodes' data sizes for local_epochs")
             self.period = max(1, t.local_epochs * math.ceil(float(np.mean(sizes)) / t.batch_size))
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 3, *args, **kwargs):
-        """Flower's ``Strategy.start``; remembers ``num_rounds`` for the lr horizon."""
-        self.num_rounds = num_rounds
-        return super().start(grid, initial_arrays, num_rounds, *args, **kwargs)
-
     def server_params(self) -> dict[str, np.ndarray]:
         sd = self.model.state_dict()
         return {k: sd[k].detach().cpu().numpy().copy() for k in self.keys}
@@ -316,6 +310,9 @@ class SSFLStrategy(SSLStrategy):
         s = self.cfg.groups
         if s == 1:
             return 0
+        if node not in self.partition_of or self.partition_count <= 0:
+            raise ConfigError(f"groups={s} groups nodes by partition id: node {node} has none (start each "
+                              "SuperNode with --node-config \"partition-id=<i> num-partitions=<n>\")")
         pid, k = self.partition_of[node], self.partition_count
         for i, g in enumerate(contiguous_groups(range(k), s)):
             if pid in g:

@@ -524,14 +524,9 @@ class PersonalizedEvalStrategy(SSLStrategy):
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.num_rounds = 0
         self.last_eval: dict[str, Any] = {}
         self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
         self.counts: dict[str, int] = {}
-
-    def start(self, grid: Grid, *args, num_rounds: int = 3, **kw):
-        self.num_rounds = num_rounds
-        return super().start(grid, *args, num_rounds=num_rounds, **kw)
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
         """What node needs to rebuild its model for evaluation (override)."""
@@ -715,7 +710,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             rec = r.content.array_records[ARRAYS_KEY]
             self.meter.add_record("weights", "up", rec)
             self.count("warmup-upload")
-            self.partition_of[r.metadata.src_node_id] = pid
+            self.note_partition(r.metadata.src_node_id, pid)
             self.upload(pid, 0, record_to_numpy(rec))
             self.refs.setdefault(pid, [])
             losses.append(float(m["warmup-loss"]))
