@@ -156,11 +156,15 @@ class SSLStrategy(Strategy):
         for name, value in options.items():
             target = "policy" if name in policy_names else "task" if name in task_names else "algo"
             by_target[target][name] = value
-        if algo in specs:
-            cfg = specs[algo].build_config(cfg, by_target["algo"])
-        elif by_target["algo"]:
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) "
-                            f"{', '.join(sorted(by_target['algo']))}")
+        spec = specs.get(algo)
+        algo_names = {f.name for f, _ in fields_of(spec.config_cls)} if spec is not None and spec.config_cls else set()
+        unknown = sorted(set(by_target["algo"]) - algo_names)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
+                            f"options of algo={algo!r}: {', '.join(sorted(algo_names)) or 'none'}; task: "
+                            f"{', '.join(sorted(task_names))}; rounds: {', '.join(sorted(policy_names))}")
+        if spec is not None:
+            cfg = spec.build_config(cfg, by_target["algo"])
         if by_target["policy"]:
             policy = dataclasses.replace(policy, **by_target["policy"])
         if by_target["task"]:

@@ -1,0 +1,160 @@
+"""The public API for a user's own model and data (README "Use an algorithm in your own Flower app").
+
+* The library's app is one user of it: each paper's algorithm, given the library's own model,
+  data and partition through the public API (``model=``, ``labeled_data=``, ``test_data=``
+  and an ``AlgorithmClient`` per node), ends with the same weights as through the run config.
+* Keyword constructors: the paper's defaults, checked values, variants by ``algo=``.
+* A user's data in the forms a PyTorch user has it; bad data and bad models are clear errors.
+"""
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from flower_apps.client_app import dispatch
+from flower_apps.config import parse_run_config
+from split_layer.rounds import RoundPolicy
+from split_layer.transport import LocalGrid
+from strategies.client import AlgorithmClient, client_app
+from tasks.config import ConfigError
+from tasks.data import DatasetError, as_dataset
+from tasks.env import NodeData, library_env
+from tests.test_conformance import NODES, config, state_of
+
+MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scala", "fedshvr": "FedSHVR",
+        "umpfssl": "UMPFSSL"}
+
+
+def _client_cls(algo: str) -> type[AlgorithmClient]:
+    module = importlib.import_module(f"strategies.{algo}")
+    return getattr(module, f"{MAIN[algo]}Client")
+
+
+@pytest.mark.parametrize("algo", list(MAIN))
+def test_the_library_app_is_one_user_of_the_public_api(algo):
+    cfg = config(algo)
+    p = parse_run_config(cfg)
+    cls = p.spec.strategy_cls
+    policy = RoundPolicy(min_nodes=2, round_timeout=60)
+
+    lib = cls(p.task, p.algo, p.spec.name, policy)
+    res_lib = lib.start(LocalGrid(NODES, dispatch, run_config=cfg), num_rounds=2)
+
+    server = library_env(p.task, NODES, cls.label_mode, cls.with_client_test)
+
+    def node_data(context) -> NodeData:
+        env = library_env(p.task, NODES, cls.label_mode, cls.with_client_test,
+                          int(context.node_config["partition-id"]))
+        return env.data
+
+    client = _client_cls(algo)(server.build_model(), node_data)
+    user = cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60),
+               model=server.build_model(), test_data=server.test,
+               labeled_data=server.server_labeled() if len(server.server_labeled()) else None)
+    res_user = user.start(LocalGrid(NODES, client.handle), num_rounds=2)
+
+    a, b = state_of(res_lib.arrays), state_of(res_user.arrays)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{algo}: {k}")
+    assert res_lib.evaluate_metrics_serverapp[2]["accuracy"] == res_user.evaluate_metrics_serverapp[2]["accuracy"]
+
+
+def test_keyword_constructors():
+    from strategies.fedavg import FedAvgStrategy
+    from strategies.fedshvr import FedSHVRStrategy
+    from strategies.scala import ScalaStrategy
+
+    s = FedAvgStrategy()                      # every argument has a default
+    assert s.algo == "fedavg" and s.task.lr == 0.05
+    s = FedAvgStrategy(lr=0.1, local_steps=3, fraction_train=0.5, min_nodes=3)
+    assert (s.task.lr, s.task.local_steps, s.policy.fraction_train, s.policy.min_nodes) == (0.1, 3, 0.5, 3)
+    assert ScalaStrategy(local_iterations=4).cfg.local_iterations == 4
+    v = FedSHVRStrategy(algo="fed-pseudo")    # a variant sets its fixed switches
+    assert (v.algo, v.cfg.correction, v.cfg.alpha1) == ("fed-pseudo", False, 0.0)
+    with pytest.raises(ConfigError, match="correction=True contradicts algo='fed-pseudo'"):
+        FedSHVRStrategy(algo="fed-pseudo", correction=True)
+    with pytest.raises(ConfigError, match="algo='ssfl' is not run by FedSHVRStrategy; it runs: fedshvr, fed-pseudo"):
+        FedSHVRStrategy(algo="ssfl")
+    with pytest.raises(TypeError, match="unexpected keyword argument.*bogus; options of algo='scala': .*local_iterations"):
+        ScalaStrategy(bogus=1)
+    with pytest.raises(ConfigError, match=r"lr=-1.0 is out of range"):
+        FedAvgStrategy(lr=-1)
+    from strategies.ssfl import SSFLStrategy
+    with pytest.raises(ConfigError, match="tau=2.0 is out of range"):
+        SSFLStrategy(tau=2.0)
+    with pytest.raises(ConfigError, match="pass your model too"):
+        FedAvgStrategy(test_data=(np.zeros((2, 1, 8, 8), np.uint8), np.zeros(2, np.int64)))
+
+
+def test_user_data_in_the_forms_a_torch_user_has_it():
+    x = np.random.default_rng(0).random((6, 8, 8)).astype(np.float32)     # [N, H, W] float in [0, 1]
+    d = as_dataset((x, np.arange(6) % 3))
+    assert d.x.shape == (6, 1, 8, 8) and d.x.dtype == np.uint8 and d.x.max() <= 255
+    t = as_dataset(torch.utils.data.TensorDataset(torch.from_numpy(x[:, None]), torch.arange(6)))
+    np.testing.assert_array_equal(t.x, d.x)
+    u = as_dataset(torch.from_numpy(d.x))                                 # images only: labels unknown
+    assert (u.y == -1).all()
+    with pytest.raises(DatasetError, match="labeled: labels are needed"):
+        as_dataset(d.x, "labeled", need_labels=True)
+    with pytest.raises(DatasetError, match=r"float images must lie in \[0, 1\]"):
+        as_dataset((x * 255, np.zeros(6, np.int64)))
+    with pytest.raises(DatasetError, match="labels must be integers"):
+        as_dataset((d.x, np.zeros(6)))
+    with pytest.raises(DatasetError, match=r"images must be \[N, C, H, W\]"):
+        as_dataset((np.zeros((6, 8), np.uint8), np.zeros(6, np.int64)))
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten())
+        self.fc = nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def _sets(seed: int, n: int = 24):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 1, 8, 8), dtype=np.uint8), rng.integers(0, 3, n)
+
+
+def test_a_node_without_the_data_its_algorithm_needs_is_dropped_with_the_reason(caplog):
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+
+    good = FedAvgClient(_Tiny(), lambda ctx: {"labeled": _sets(int(ctx.node_config["partition-id"]))})
+    bad = FedAvgClient(_Tiny(), lambda ctx: {"unlabeled": _sets(0)[0]})
+
+    def handler(msg, ctx):
+        return (bad if int(ctx.node_config["partition-id"]) == 2 else good).handle(msg, ctx)
+
+    s = FedAvgStrategy(model=_Tiny(), test_data=_sets(9), local_steps=2, batch_size=8, min_nodes=2)
+    rows = []
+    s.start(LocalGrid(3, handler), num_rounds=1, on_round_end=lambda r, m: rows.append(m))
+    assert len(rows[0]["dropped"]) == 1 and rows[0]["participants"] == 2
+    assert "FedAvgClient: this node has no labeled data; it needs: labeled" in caplog.text
+
+
+def test_a_model_split_learning_cannot_cut_is_refused_before_any_round():
+    from strategies.scala import ScalaStrategy
+
+    s = ScalaStrategy(model=_Tiny(), test_data=_sets(9))
+    with pytest.raises(ConfigError, match="model: a split algorithm needs a StagedModel, a \\(bottom, top\\) pair"):
+        s.start(LocalGrid(2, lambda m, c: None), num_rounds=1)
+    s = ScalaStrategy(model=nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), cut="9",
+                      test_data=_sets(9))
+    with pytest.raises(ConfigError, match="cut='9': an nn.Sequential is cut after one of its children; allowed: 0, 1, 2"):
+        s.start(LocalGrid(2, lambda m, c: None), num_rounds=1)
+
+
+def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
+    from strategies.fedavg import FedAvgClient
+    from strategies.scala import ScalaClient
+
+    app = client_app(FedAvgClient(_Tiny(), {}), ScalaClient(_Tiny(), {}))
+    assert sorted(app._registered_funcs) == ["query.node_info", "query.split", "query.split_info", "train.default"]
+    with pytest.raises(ValueError, match="two clients serve algo='fedavg'"):
+        client_app(FedAvgClient(_Tiny(), {}), FedAvgClient(_Tiny(), {}))
