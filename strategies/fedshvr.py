@@ -116,7 +116,8 @@ from split_layer.records import (
 from split_layer.rounds import SSLStrategy
 from tasks.aggregate import fednova_aggregate, weighted_mean
 from tasks.config import knob
-from tasks.losses import closed_form_soft_label, ema_update, kl_to_uniform, soft_ce
+from tasks.ema import ema_update
+from tasks.losses import closed_form_soft_label, kl_to_uniform, soft_ce
 from tasks.training import (
     batch_indices,
     derive_seed,

@@ -105,14 +105,14 @@ from split_layer.worker import SplitClientHooks, Worker, make_split_handlers
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
+from tasks.ema import ema_update
 from tasks.losses import (
-    FeatureQueue,
     clustering_regularization,
-    cosine_decay,
-    ema_update,
     masked_pseudo_label_ce,
     supervised_contrastive,
 )
+from tasks.queue import FeatureQueue
+from tasks.schedules import cosine_decay
 from tasks.training import (
     batch_indices,
     derive_seed,

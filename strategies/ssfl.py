@@ -109,8 +109,9 @@ from tasks.aggregate import (
 )
 from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
-from tasks.losses import cosine_lr, masked_pseudo_label_ce
+from tasks.losses import masked_pseudo_label_ce
 from tasks.models import classifier_prefix
+from tasks.schedules import cosine_lr
 from tasks.training import (
     batch_indices,
     derive_seed,

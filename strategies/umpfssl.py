@@ -22,7 +22,7 @@ fetched again from the pool whenever it is needed).
 Math (MC-dropout, Eqs. 9-14)
 ----------------------------
 * ``P_j(y|x) = 1/T sum_t softmax(f_{w_j, mask_t}(x))``, ``H_j(x) = -sum_c P_c log P_c``
-  (``tasks.losses.mc_dropout_predict``: dropout on, BatchNorm in eval mode).
+  (``tasks.mc_dropout.mc_dropout_predict``: dropout on, BatchNorm in eval mode).
 * ``Hbar(k|j) = mean_{x in D_k^u} H_j(x) / log C``, clamped ``>= entropy-floor`` ([R]: the
   paper sums over x; the mean keeps Hbar in [0, 1] as its Section 5 assumes).
 * ``Corr(k|j) = (1 - mu_k) / Hbar(k|j) + mu_k * Acc(D_k^s; argmax P_j)``; the first term is
@@ -123,7 +123,8 @@ from split_layer.rounds import SSLStrategy
 from tasks.aggregate import personalized_weighted
 from tasks.config import ConfigError, knob
 from tasks.env import Env
-from tasks.losses import kl_to_target, mc_dropout_predict
+from tasks.losses import kl_to_target
+from tasks.mc_dropout import mc_dropout_predict
 from tasks.models import has_dropout, head_prefix
 from tasks.training import (
     batch_indices,

@@ -10,24 +10,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy.optimize import minimize
 
+from tasks.ema import ema_update
 from tasks.losses import (
-    FeatureQueue,
     closed_form_soft_label,
     clustering_regularization,
-    cosine_decay,
-    cosine_lr,
-    ema_update,
     entropy,
     kl_to_target,
     kl_to_uniform,
     logit_adjusted_ce,
     masked_pseudo_label_ce,
-    mc_dropout_predict,
     sharpen,
     soft_ce,
     supcon_loss,
     supervised_contrastive,
 )
+from tasks.mc_dropout import mc_dropout_predict
+from tasks.queue import FeatureQueue
+from tasks.schedules import cosine_decay, cosine_lr
 
 DT = torch.float64
 

@@ -7,9 +7,15 @@ import torch
 from torch import nn
 
 from flower_apps.config import parse_run_config
-from strategies.ssfl import (SSFLConfig, SSFLStrategy, lr_function, schedule_config, user_loss)
+from strategies.ssfl import (
+    SSFLConfig,
+    SSFLStrategy,
+    lr_function,
+    schedule_config,
+    user_loss,
+)
 from tasks.config import ConfigError, TaskConfig
-from tasks.losses import cosine_lr
+from tasks.schedules import cosine_lr
 
 DT = torch.float64
 

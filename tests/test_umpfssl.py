@@ -26,7 +26,7 @@ from strategies.umpfssl import (
     select_pseudo_labels,
 )
 from tasks.config import ConfigError, TaskConfig
-from tasks.losses import mc_dropout_predict
+from tasks.mc_dropout import mc_dropout_predict
 
 LOG10 = math.log(10)
 
