@@ -23,7 +23,8 @@ ClientHandler = Callable[[Message, Context], Message]
 _MODULES: dict[str, str] = {
     "fedavg": "strategies.fedavg",
     "supervised-only": "strategies.fedavg",
-    **dict.fromkeys(("umpfssl", "fixavg", "fixprox", "fedper-fix", "local-only"), "strategies.umpfssl"),
+    "umpfssl": "strategies.umpfssl",
+    **dict.fromkeys(("fixavg", "fixprox", "fedper-fix", "local-only"), "strategies.fixmatch_baselines"),
     **dict.fromkeys(("scala", "ca-sfl", "lla-sfl", "splitfed-v1", "splitfed-v2"), "strategies.scala"),
     **dict.fromkeys(("fedshvr", "fed-pseudo", "fed-mt", "fed-sl", "fedshvr-no-r1", "fedshvr-no-r2", "fedshvr-no-vr", "fedshvr-no-nova"), "strategies.fedshvr"),
     **dict.fromkeys(("ssfl", "ssfl-selftrain"), "strategies.ssfl"),

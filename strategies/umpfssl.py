@@ -1,10 +1,9 @@
 """UM-pFSSL: personalized federated semi-supervised learning with uncertainty-selected helpers.
 
 Paper: Y. Shi, S. Chen, H. Zhang, "Uncertainty Minimization for Personalized Federated
-Semi-Supervised Learning" (spec: ``specs/umpfssl.md``). Baselines of the paper, as switches
-of this module: ``fixavg`` (FedAvg + FixMatch), ``fixprox`` (FedProx + FixMatch),
-``fedper-fix`` (FedPer: shared body, local head, + FixMatch) and ``local-only`` (no weight
-exchange at all). Every variant is evaluated the same way: each client's model on that
+Semi-Supervised Learning" (spec: ``specs/umpfssl.md``). The paper's FixMatch baselines
+(``fixavg``, ``fixprox``, ``fedper-fix``, ``local-only``) are :mod:`strategies.fixmatch_baselines`,
+on this module's config (``mode`` fixed) and evaluation. Every variant is evaluated the same way: each client's model on that
 client's own test split; the run's ``accuracy`` is the mean over clients and
 ``client-accuracy-var`` their variance (the paper's fairness measure).
 
@@ -78,13 +77,6 @@ upload per round. We count transfers by reason (``transfers.<reason>``) and byte
   overhead, not part of its cost. ``eval-weights`` down: models sent for per-client test
   evaluation (``eval-every`` rounds).
 
-Baseline client contract (``train``): ``fixavg``/``fixprox`` receive ``arrays`` (global
-model) and reply ``arrays``; ``fedper-fix`` receives and replies only the body (every key
-outside the ``head`` stage; the head stays in ``context.state["umpfssl.head"]``);
-``local-only`` receives no weights and keeps its model in ``context.state["umpfssl.model"]``.
-``evaluate`` messages (Flower's ``evaluate``) carry what the client needs to rebuild
-its model (nothing for ``local-only``) and the reply carries ``accuracy`` and ``num-examples``
-on the client's test split.
 """
 from __future__ import annotations
 
@@ -132,9 +124,7 @@ from tasks.training import (
     evaluate,
     load_numpy_state,
     make_sgd,
-    num_local_steps,
     to_device_batch,
-    train_fixmatch,
     train_supervised,
 )
 
@@ -444,52 +434,8 @@ def _head_keys(model) -> list[str]:
     return [k for k in model.state_dict() if k.startswith(prefix)]
 
 
-def _train_fixmatch(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
-    """fixavg / fixprox / fedper-fix / local-only: FixMatch local training."""
-    conf = msg.content.config_records[CONFIG_KEY]
-    rnd, pid, t = int(conf["server-round"]), env.partition_id, env.task
-    model = env.build_model()
-    if cfg.mode == "local":
-        if STATE_MODEL in context.state:
-            load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
-        elif ARRAYS_KEY in msg.content.array_records:  # the run's initial_arrays, before the first round
-            load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
-    else:
-        rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
-        if cfg.mode == "fedper" and STATE_HEAD in context.state:
-            rec.update(record_to_numpy(context.state.array_records[STATE_HEAD]))
-        load_numpy_state(model, rec, strict=cfg.mode != "fedper")
-    reg = None
-    if cfg.mode == "fixprox" and cfg.prox_mu > 0:
-        ref = [p.detach().clone() for p in model.parameters()]
-
-        def reg() -> torch.Tensor:  # noqa: F811 - FedProx: mu/2 ||w - w_global||^2
-            return 0.5 * cfg.prox_mu * sum(((p - r) ** 2).sum() for p, r in zip(model.parameters(), ref))
-    lab, unl = env.labeled(), env.unlabeled()
-    out = train_fixmatch(model, lab, unl, aug=env.augmenter, steps=num_local_steps(t, len(lab) + len(unl)),
-                         batch_size=t.batch_size, unlabeled_batch_size=cfg.fixmatch_uratio * t.batch_size,
-                         optimizer=make_sgd(model.parameters(), t), device=env.device,
-                         seed=derive_seed(t.seed, "fixmatch", rnd, pid), tau=cfg.fixmatch_tau,
-                         lambda_u=cfg.fixmatch_lambda_u, regularizer=reg)
-    out["num-examples"] = float(len(lab) + len(unl))
-    out["partition-id"] = pid
-    arrays = None
-    if cfg.mode == "local":
-        context.state[STATE_MODEL] = model_to_record(model)
-    elif cfg.mode == "fedper":
-        head = _head_keys(model)
-        context.state[STATE_HEAD] = model_to_record(model, head)
-        arrays = model_to_record(model, [k for k in model.state_dict() if k not in set(head)])
-    else:
-        arrays = model_to_record(model)
-    return _reply(msg, arrays, out)
-
-
 def client_train(msg: Message, context: Context) -> Message:
-    env, cfg = _env(msg, context), _algo_cfg(msg)
-    if cfg.mode == "umpfssl":
-        return _train_umpfssl(msg, context, env, cfg)
-    return _train_fixmatch(msg, context, env, cfg)
+    return _train_umpfssl(msg, context, _env(msg, context), _algo_cfg(msg))
 
 
 def client_evaluate(msg: Message, context: Context) -> Message:
@@ -580,69 +526,6 @@ class PersonalizedEvalStrategy(SSLStrategy):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.last_eval = state.get("last_eval", {})
-
-
-class FixMatchFedStrategy(PersonalizedEvalStrategy):
-    """fixavg / fixprox (global model) and fedper-fix (global body, local heads)."""
-
-    def setup_algorithm(self) -> None:
-        self.body_keys = None
-        if self.cfg.mode == "fedper":
-            head = set(_head_keys(self.model))
-            self.body_keys = [k for k in self.model.state_dict() if k not in head]
-
-    def global_arrays(self) -> ArrayRecord:
-        return model_to_record(self.model, self.body_keys)
-
-    def result_arrays(self) -> ArrayRecord:
-        """The global model (fedper-fix: the global body; the heads stay on the nodes)."""
-        return self.global_arrays()
-
-    reply_metrics = ("train-loss", "mask-rate")
-
-    def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
-        load_numpy_state(self.model, state, strict=self.body_keys is None)  # fedper-fix: the body only
-
-    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
-        out = super().run_round(server_round, grid)
-        out.update(self.maybe_eval(grid, server_round))
-        return out
-
-
-class LocalOnlyStrategy(PersonalizedEvalStrategy):
-    """Every client trains alone (FixMatch on its own data); no weights are exchanged, except
-    the run's ``initial_arrays`` (if given) with a node's first training message."""
-
-    returns_model = False  # every model stays on its node: Result.arrays is empty
-
-    def setup_algorithm(self) -> None:
-        self.started, self.seeded = False, set()
-
-    def eval_payload(self, node: int) -> ArrayRecord | None:
-        return None
-
-    def result_arrays(self) -> ArrayRecord:
-        return ArrayRecord() if self.started else model_to_record(self.model)
-
-    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
-        nodes = self.sample_nodes(grid, server_round)
-        self.started = True
-        msgs = []
-        for n in nodes:
-            content = self.base_content(server_round)
-            if self.initial_given and n not in self.seeded:
-                content[ARRAYS_KEY] = model_to_record(self.model)
-                self.meter.add_record("weights", "down", content[ARRAYS_KEY])
-            msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
-        self.seeded.update(nodes)
-        replies = self.exchange(grid, msgs)
-        mets = [r.content.metric_records[METRICS_KEY] for r in replies]
-        out: dict[str, Any] = {"participants": len(replies)}
-        if mets:
-            out["train-loss"] = float(np.mean([float(m["train-loss"]) for m in mets]))
-            out["mask-rate"] = float(np.mean([float(m["mask-rate"]) for m in mets]))
-        out.update(self.maybe_eval(grid, server_round))
-        return out
 
 
 class UMPFSSLStrategy(PersonalizedEvalStrategy):
@@ -825,28 +708,22 @@ _HANDLERS = {"train": client_train, "evaluate": client_evaluate, "select": clien
 _PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
 
 
-def _spec(name: str, cls: type, mode: str, desc: str) -> AlgorithmSpec:
+def _spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: tuple[str, ...]) -> AlgorithmSpec:
+    """A spec of this module or of :mod:`strategies.fixmatch_baselines` (one config, ``mode`` fixed)."""
     return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
                          strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
-                         overrides={"mode": mode}, client=dict(_HANDLERS), description=desc,
-                         node_state=(STATE_HELPERS, STATE_HEAD, STATE_MODEL))
+                         overrides={"mode": mode}, client=dict(client), description=desc, node_state=node_state)
 
 
 ALGORITHMS = bind({
     "umpfssl": _spec("umpfssl", UMPFSSLStrategy, "umpfssl",
-                     "personalized models; helpers chosen by MC-dropout uncertainty; server = model pool"),
-    "fixavg": _spec("fixavg", FixMatchFedStrategy, "fixavg", "FedAvg + FixMatch on unlabeled data"),
-    "fixprox": _spec("fixprox", FixMatchFedStrategy, "fixprox", "FedProx + FixMatch on unlabeled data"),
-    "fedper-fix": _spec("fedper-fix", FixMatchFedStrategy, "fedper",
-                        "FedPer (shared body, local head) + FixMatch"),
-    "local-only": _spec("local-only", LocalOnlyStrategy, "local",
-                        "each client trains alone (FixMatch), no weights exchanged"),
+                     "personalized models; helpers chosen by MC-dropout uncertainty; server = model pool",
+                     _HANDLERS, (STATE_HELPERS,)),
 })
 
 
 class UMPFSSLClient(AlgorithmClient):
-    """UM-pFSSL's client (and the FixMatch baselines) with a user's model (with dropout, for
-    MC-dropout) and the node's labeled, unlabeled and test data (the test set is the
+    """UM-pFSSL's client with a user's model (with dropout, for MC-dropout) and the node's labeled, unlabeled and test data (the test set is the
     node's personalized evaluation). ``query.warmup``, ``query.select`` (helpers' MC-dropout
     uncertainty on the node's data), ``train`` and ``evaluate``."""
 

@@ -55,11 +55,15 @@ def test_the_library_app_is_one_user_of_the_public_api(algo):
                labeled_data=server.server_labeled() if len(server.server_labeled()) else None)
     res_user = user.start(LocalGrid(NODES, client.handle), num_rounds=2)
 
+    # the same computation; float32 reductions split over threads may round differently in the
+    # last bit (the data arrays of the two runs sit at other addresses), hence a tolerance far
+    # below any change of the algorithm (a flipped augmentation moves 93 % of the weights)
     a, b = state_of(res_lib.arrays), state_of(res_user.arrays)
     assert a.keys() == b.keys() and a
     for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{algo}: {k}")
-    assert res_lib.evaluate_metrics_serverapp[2]["accuracy"] == res_user.evaluate_metrics_serverapp[2]["accuracy"]
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=f"{algo}: {k}")
+    acc_lib, acc_user = (r.evaluate_metrics_serverapp[2]["accuracy"] for r in (res_lib, res_user))
+    assert acc_lib == pytest.approx(acc_user, abs=0.002)
 
 
 def test_keyword_constructors():

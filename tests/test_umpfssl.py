@@ -14,8 +14,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from flower_apps.client_app import dispatch
 from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
+from strategies.registry import get_algorithm
 from strategies.umpfssl import (
-    ALGORITHMS,
     CORR_FLOOR,
     UMPFSSLConfig,
     cost2,
@@ -144,7 +144,7 @@ def small_task(**over):
 
 
 def run_fake(algo, task, num_nodes, rounds, fraction=1.0, **cfg_over):
-    spec = ALGORITHMS[algo]
+    spec = get_algorithm(algo)
     cfg = spec.parse_config({f"umpfssl.{k.replace('_', '-')}": v for k, v in cfg_over.items()})
     strat = spec.strategy_cls(task, cfg, algo, RoundPolicy(fraction_train=fraction, min_nodes=1,
                                                            round_timeout=60))
