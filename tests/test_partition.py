@@ -1,4 +1,4 @@
-"""Tests for tasks/partition.py (partitioners, labeled/unlabeled splits, make_plan)."""
+"""Tests for tasks/partition/ (partitioners, labeled/unlabeled splits, make_plan)."""
 from __future__ import annotations
 
 import json
