@@ -162,3 +162,17 @@ def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
     assert sorted(app._registered_funcs) == ["query.node_info", "query.split", "query.split_info", "train.default"]
     with pytest.raises(ValueError, match="two clients serve algo='fedavg'"):
         client_app(FedAvgClient(_Tiny(), {}), FedAvgClient(_Tiny(), {}))
+
+
+def test_what_a_users_setup_lacks_is_named_before_any_round():
+    from strategies.ssfl import SSFLStrategy
+    from strategies.umpfssl import UMPFSSLStrategy
+
+    grid = LocalGrid(2, lambda m, c: None)
+    with pytest.raises(ConfigError, match="ssfl with your own data: set local_steps"):
+        SSFLStrategy(model=_Tiny(), labeled_data=_sets(1), local_steps=0, local_epochs=1).start(grid, num_rounds=1)
+    with pytest.raises(ConfigError, match="ssfl needs labeled data on the server"):
+        SSFLStrategy(model=_Tiny(), test_data=_sets(1), local_steps=2).start(grid, num_rounds=1)
+    with pytest.raises(ConfigError, match="needs a model with dropout > 0 for MC-dropout"):
+        UMPFSSLStrategy(model=_Tiny(), num_classes=3).start(grid, num_rounds=1)
+    assert not grid.sent  # nothing reached a node
