@@ -324,18 +324,19 @@ class SSLStrategy(Strategy):
                     continue
                 pending.discard(rid)
                 if r.has_error():
-                    node = by_id[rid]
-                    log(WARNING, "node %s dropped from round: error %s: %s", node, r.error.code,
-                        describe_error(r.error.reason or ""))
-                    self.dropped.append(node)
+                    self.drop(by_id[rid], f"error {r.error.code}: {describe_error(r.error.reason or '')}")
                 else:
                     out.append(r)
             if pending:
                 time.sleep(poll)
         for rid in pending:
-            log(WARNING, "node %s dropped from round: no reply within %.0f s", by_id[rid], timeout)
-            self.dropped.append(by_id[rid])
+            self.drop(by_id[rid], f"no reply within {timeout:.0f} s")
         return out
+
+    def drop(self, node: int, why: str) -> None:
+        """Drop ``node`` from this round: a logged warning, and the round's ``dropped`` metric."""
+        log(WARNING, "node %s dropped from round: %s", node, why)
+        self.dropped.append(node)
 
     # ------------------------------------------------------------------ FedAvg-style round
     def global_arrays(self) -> ArrayRecord:

@@ -185,10 +185,6 @@ class SplitStrategy(SSLStrategy):
         load_bottom_state(self.model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()},
                           self.cut)
 
-    def _drop(self, node: int, why: str) -> None:
-        log(WARNING, "node %s dropped from round: %s", node, why)
-        self.dropped.append(node)
-
     def fetch_info(self, transport: Transport, server_round: int, nodes: list[int]) -> None:
         todo = [n for n in nodes if n not in self.info]
         if not todo:
@@ -197,7 +193,7 @@ class SplitStrategy(SSLStrategy):
         for n, env in replies.items():
             hist = np.asarray(env.tensors.get("histogram", np.zeros(0)), dtype=np.int64)
             if hist.shape != (self.env.num_classes,) or (hist < 0).any():
-                self._drop(n, f"bad label histogram of shape {hist.shape}")
+                self.drop(n, f"bad label histogram of shape {hist.shape}")
                 continue
             self.meter.add("histogram", "up", hist.nbytes)
             self.note_partition(n, env.config["partition-id"], env.config.get("num-partitions", 0))
@@ -335,7 +331,7 @@ class SplitStrategy(SSLStrategy):
                         check_streams(env.arrays["bottom"], {k: TensorSpec(v.shape, str(v.dtype))
                                                              for k, v in ref.items()}, f"node {n}, final bottom")
                 except SplitValidationError as e:
-                    self._drop(n, str(e))
+                    self.drop(n, str(e))
                     continue
                 good[n] = env
             alive = [n for n in alive if n in good]

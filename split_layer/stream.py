@@ -640,7 +640,7 @@ class StreamTransport(Transport):
         if node in self.alive:
             self.alive.discard(node)
             self.live.discard(node)
-            self.strategy._drop(node, why)
+            self.strategy.drop(node, why)
             if self.server is not None:
                 self.server.end(node, cancel=True)
 

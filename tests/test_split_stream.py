@@ -87,11 +87,11 @@ class Owner:
         self.info = {n: {"sim-actors": actors, "sim-threads": threads} for n in range(1001, 1001 + K)}
         self.dropped: list[tuple[int, str]] = []
 
-    def base_content(self, server_round, **config):
+    def base_content(self, server_round, action="train", **config):
         from flwr.app import ConfigRecord, RecordDict
         return RecordDict({"config": ConfigRecord(config)})
 
-    def _drop(self, node, why):
+    def drop(self, node, why):
         self.dropped.append((node, why))
 
 

@@ -47,7 +47,7 @@ class Owner:
         self.info = {n: {} for n in NODES}
         self.dropped: list[tuple[int, str]] = []
 
-    def base_content(self, server_round, **config):
+    def base_content(self, server_round, action="train", **config):
         from flwr.app import ConfigRecord, RecordDict
         return RecordDict({"config": ConfigRecord(config)})
 
@@ -55,7 +55,7 @@ class Owner:
         from split_layer.validation import TensorSpec
         return {"act": TensorSpec((2, 3), "float32")}
 
-    def _drop(self, node, why):
+    def drop(self, node, why):
         self.dropped.append((node, why))
 
 
