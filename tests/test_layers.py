@@ -1,0 +1,49 @@
+"""Imports point down only (README "Layout and development"; DESIGN.md "Layers").
+
+flower_apps/ -> strategies/ -> split_layer/ -> tasks/. ``tasks/`` is plain torch: no Flower,
+and flwr-datasets only where it adapts to it (the Partitioner classes, the hub loader).
+Every import statement counts, also one inside a function.
+"""
+import ast
+
+import pytest
+
+from tests.flower_harness import ROOT
+
+FORBIDDEN = {
+    "tasks": {"flwr", "flwr_datasets", "split_layer", "strategies", "flower_apps"},
+    "split_layer": {"strategies", "flower_apps"},
+    "strategies": {"flower_apps"},
+}
+# the flwr-datasets adapters: the one place each of tasks/ may import it
+ALLOWED = {("tasks/partition/partitioners.py", "flwr_datasets"), ("tasks/data.py", "flwr_datasets")}
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module.split(".")[0]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_down(package):
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, top in _imports(path):
+            if top in FORBIDDEN[package] and (rel, top) not in ALLOWED:
+                bad.append(f"{rel}:{line} imports {top}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_example_app_uses_the_public_api_only():
+    bad = []
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        for line, top in _imports(path):
+            if top == "flower_apps":
+                bad.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not bad, bad
