@@ -129,7 +129,7 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
 
 def keys_markdown() -> str:
     """A markdown table of every run-config key: default, allowed values, meaning."""
-    from tasks.config import _range_text
+    from tasks.config import range_text
 
     rows = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
 
@@ -139,7 +139,7 @@ def keys_markdown() -> str:
             if m.get("choices"):
                 allowed = ", ".join(map(str, m["choices"]))
             elif typ in (int, float) and (m.get("lo") is not None or m.get("hi") is not None):
-                allowed = _range_text(m)
+                allowed = range_text(m)
             else:
                 allowed = typ.__name__
             default = f"'{f.default}'" if isinstance(f.default, str) else str(f.default).lower() \

@@ -180,5 +180,38 @@ def bind(algorithms: dict[str, AlgorithmSpec]) -> dict[str, AlgorithmSpec]:
         cls = spec.strategy_cls
         if "specs" not in cls.__dict__:
             cls.specs = {}
+            cls.__doc__ = _doc(cls)
         cls.specs[spec.name] = spec
+    for cls in {s.strategy_cls for s in algorithms.values()}:
+        cls.__doc__ += _variants_doc(cls)
     return algorithms
+
+
+def _doc(cls: type) -> str:
+    """A strategy class's docstring for ``help()``: its own, its module's (the paper, the math,
+    the client's contract); :func:`_variants_doc` adds its algorithms and keyword options."""
+    import sys
+
+    own = (cls.__doc__ or "").strip()
+    module = (sys.modules[cls.__module__].__doc__ or "").strip()
+    return f"{own}\n\n{module}\n" if module else f"{own}\n"
+
+
+def _variants_doc(cls: type) -> str:
+    from tasks.config import fields_of, range_text
+
+    lines = ["", "Algorithms (``algo=``, the first is the default): "
+             + ", ".join(f"``{n}`` ({s.description})" if s.description else f"``{n}``" for n, s in cls.specs.items())]
+    config_cls = next(iter(cls.specs.values())).config_cls
+    if config_cls is not None:
+        lines += ["", "Keyword options (the paper's defaults; run-config keys in docs/config.md):"]
+        for f, typ in fields_of(config_cls):
+            m = dict(f.metadata)
+            rng = f", in {range_text(m)}" if m.get("lo") is not None or m.get("hi") is not None else ""
+            choices = f", one of {', '.join(map(str, m['choices']))}" if m.get("choices") else ""
+            lines.append(f"    {f.name}={f.default!r}{rng}{choices}: {m.get('help', '')}")
+    lines += ["", "Also any ``TaskConfig`` field (``lr``, ``batch_size``, ``local_epochs``, ``local_steps``, "
+              "``seed``, ``device``...) and ``RoundPolicy`` field (``fraction_train``, ``min_nodes``, "
+              "``round_timeout``...), and ``model``, ``labeled_data``, ``test_data``, ``num_classes``, "
+              "``augmenter``, ``flip`` (:class:`split_layer.rounds.SSLStrategy`)."]
+    return "\n".join(lines) + "\n"

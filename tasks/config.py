@@ -32,7 +32,7 @@ def key_of(name: str, prefix: str = "") -> str:
     return f"{prefix}.{k}" if prefix else k
 
 
-def _range_text(m: dict) -> str:
+def range_text(m: dict) -> str:
     lo = "(" if m["lo_open"] else "["
     hi = ")" if m["hi_open"] else "]"
     a = "-inf" if m["lo"] is None else m["lo"]
@@ -80,7 +80,7 @@ def check_field(key: str, value: Any, typ: type, meta: dict) -> Any:
         bad = (lo is not None and (value < lo or (meta.get("lo_open") and value == lo))) or (
             hi is not None and (value > hi or (meta.get("hi_open") and value == hi)))
         if bad:
-            raise ConfigError(f"{key}={value!r} is out of range; allowed {_range_text(meta)}")
+            raise ConfigError(f"{key}={value!r} is out of range; allowed {range_text(meta)}")
     return value
 
 
