@@ -93,8 +93,9 @@ def test_six_algorithms_run_with_the_apps_own_model_and_data(tmp_path):
 
 @pytest.mark.e2e
 def test_flwr_run_of_the_example(tmp_path):
-    """The example as its user runs it: `flwr run .` in its own folder, a split algorithm."""
-    env = _env(tmp_path)
+    """The example as its user runs it: `flwr run .` in its own folder, a split algorithm (the
+    app's own modules come from the FAB Flower builds of the folder, not from PYTHONPATH)."""
+    env = hermetic_env(tmp_path)
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
     try:
