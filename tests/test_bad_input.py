@@ -119,6 +119,12 @@ def parsed(**override):
 
 def test_dataset_that_cannot_be_loaded_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on an offline node; avoids minutes of retries
+    import datasets
+    import huggingface_hub
+
+    # the libraries read the variable when first imported (maybe earlier in this process)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError) as e:
         preflight(parsed(dataset="no-such-org/no-such-dataset"))
     msg = str(e.value)
