@@ -37,7 +37,6 @@ from tests.deploy_harness import Deployment, alive
 
 e2e = pytest.mark.e2e
 
-ROUND_TIMEOUT = 300.0
 FULL = {"algo": "fedavg", "local-steps": 3}
 
 
