@@ -113,11 +113,12 @@ def algo_config(source: Message | dict[str, Any], cls: type):
 
 # --------------------------------------------------------------------------- the node side
 def node_partition(context: Context, required: bool = True) -> tuple[int, int]:
-    """(partition-id, num-partitions) from the node config, validated. A node without them
-    is ``(-1, 0)`` when not ``required`` (a user's node with its own data)."""
+    """(partition-id, num-partitions) from the node config, validated. A node without them,
+    when not ``required`` (a user's node with its own data), is ``(node id mod 2^31, 0)``: an id
+    that seeds its draws and orders its sampling, in no partition of a known count."""
     nc = context.node_config
     if not required and "partition-id" not in nc:
-        return -1, 0
+        return int(context.node_id) % (1 << 31), 0
     try:
         pid, n = int(nc["partition-id"]), int(nc["num-partitions"])
     except (KeyError, ValueError) as e:
@@ -131,7 +132,7 @@ def node_partition(context: Context, required: bool = True) -> tuple[int, int]:
 
 def node_info(msg: Message, context: Context) -> Message:
     """Reply to the ``node-info`` query: this node's partition id (the server samples in partition
-    order, so that runs repeat although simulated node ids are random); ``-1`` if it has none."""
+    order, so that runs repeat although simulated node ids are random)."""
     pid, n = node_partition(context, required=_NODE_SOURCE.get() is None)
     return Message(RecordDict({CONFIG_KEY: ConfigRecord({"partition-id": pid, "num-partitions": n})}),
                    reply_to=msg)

@@ -272,8 +272,6 @@ class SSLStrategy(Strategy):
                 if r.has_error() or CONFIG_KEY not in r.content.config_records:
                     continue  # sampled after the nodes that answered
                 info = r.content.config_records[CONFIG_KEY]
-                if int(info["partition-id"]) < 0:
-                    continue  # a user's node without a partition id: sampled in node-id order
                 self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
             if pending:
                 time.sleep(poll)

@@ -102,8 +102,7 @@ class AlgorithmClient:
             pid, n = node_partition(context, required=False)
             self._envs[key] = user_env(
                 task, self.model, self.node_data(context), num_classes=num_classes,
-                augmenter=self.augmenter, flip=self.flip, staged=self.staged,
-                partition_id=pid if pid >= 0 else int(context.node_id) % (1 << 31), num_partitions=n)
+                augmenter=self.augmenter, flip=self.flip, staged=self.staged, partition_id=pid, num_partitions=n)
         return self._envs[key]
 
     @property

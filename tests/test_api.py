@@ -176,3 +176,21 @@ def test_what_a_users_setup_lacks_is_named_before_any_round():
     with pytest.raises(ConfigError, match="needs a model with dropout > 0 for MC-dropout"):
         UMPFSSLStrategy(model=_Tiny(), num_classes=3).start(grid, num_rounds=1)
     assert not grid.sent  # nothing reached a node
+
+
+def test_nodes_without_a_partition_id_take_part_and_are_sampled():
+    """A deployment of your own need not give SuperNodes ``partition-id``: each node's id stands
+    in (seeds, sampling order); ``fraction_train`` < 1 still samples them."""
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+
+    client = FedAvgClient(_Tiny(), lambda ctx: {"labeled": _sets(int(ctx.node_id))})
+    grid = LocalGrid(4, client.handle)
+    for ctx in grid.contexts.values():
+        ctx.node_config.clear()
+    s = FedAvgStrategy(model=_Tiny(), test_data=_sets(9), local_steps=2, batch_size=8, min_nodes=2,
+                       fraction_train=0.5)
+    rows = []
+    s.start(grid, num_rounds=2, on_round_end=lambda r, m: rows.append(m))
+    assert [r["participants"] for r in rows] == [2, 2] and all(r["dropped"] == [] for r in rows)
+    assert sorted(s.partition_of) == sorted(grid.contexts)   # every node answered node-info
+    assert all(s.partition_of[n] == n % (1 << 31) for n in grid.contexts)
