@@ -157,6 +157,8 @@ class Worker:
     recomputing: bool = False   # inside the message path's second forward pass (streams not sent)
     node_config: dict[str, Any] = field(default_factory=dict)  # this node's own settings (consent etc.)
     cache: dict[str, Any] = field(default_factory=dict)  # hooks' objects for this round (cleared at step 1)
+    streaming: bool = False     # the round runs over the stream in this one call: what a hook keeps in
+                                # ``state`` only for the next message need not be written every step
 
     @property
     def partition(self) -> int:
@@ -252,7 +254,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         algo = dict(msg.content.config_records[ALGO_KEY]) if ALGO_KEY in msg.content.config_records else {}
         return Worker(env, model, bottom, cut, int(cfg.get("server-round", 0)), int(cfg.get("split-iters", 0)),
                       int(cfg.get("split-batch", 0)), context.state, algo, cfg,
-                      node_config=dict(context.node_config))
+                      node_config=dict(context.node_config), streaming=STREAM_KEYS["address"] in cfg)
 
     def info(msg: Message, context: Context) -> Message:
         with COMPUTE_LOCK:

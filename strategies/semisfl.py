@@ -761,7 +761,8 @@ class SemiSFLClientHooks(SplitClientHooks):
     def after_step(self, w: Worker, step: int) -> None:
         teacher = self._teacher(w)
         ema_update(teacher, w.bottom, algo_config(w.algo, SemiSFLConfig).ema_decay)
-        w.state[STATE_TEACHER] = model_to_record(teacher)
+        if not w.streaming:  # the next message's worker rebuilds the teacher from the node state
+            w.state[STATE_TEACHER] = model_to_record(teacher)
 
 
 _CLIENT = make_split_handlers(SemiSFLClientHooks())
