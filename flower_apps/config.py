@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from split_layer.rounds import RoundPolicy
 from strategies.registry import (
     AlgorithmSpec,
     algorithm_names,
@@ -24,6 +25,7 @@ from tasks.config import (
     fields_of,
     key_of,
     knob,
+    knob_of,
     parse_dataclass,
 )
 
@@ -34,16 +36,13 @@ class AppConfig:
 
     algo: str = knob("semisfl", help="which algorithm to run (see README table)")
     num_rounds: int = knob(4, lo=1, help="communication rounds")
-    fraction_train: float = knob(1.0, lo=0.0, hi=1.0, lo_open=True, help="share of nodes sampled per round")
-    min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
-    round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
+    fraction_train: float = knob_of(RoundPolicy, "fraction_train")
+    min_nodes: int = knob_of(RoundPolicy, "min_nodes")
+    round_timeout: float = knob_of(RoundPolicy, "round_timeout")
     results_dir: str = knob("results", help="parent folder of run folders; relative paths resolve against $FLOWER_SSL_HOME, else the ServerApp working directory (the folder the local SuperLink was started from)")
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")
-    split_transport: str = knob("message", choices=("message", "stream"),
-                                help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
-                                     "gRPC stream the ServerApp hosts per round (Flower still starts and ends each "
-                                     "client's round); see docs/split.md")
+    split_transport: str = knob_of(RoundPolicy, "split_transport")
     split_stream_host: str = knob("127.0.0.1", help="stream transport: address the ServerApp binds ('0.0.0.0' to "
                                                     "accept remote SuperNodes; then set split-stream-advertise)")
     split_stream_advertise: str = knob("", help="stream transport: address SuperNodes connect to ('' = "

@@ -19,7 +19,6 @@ the round itself has another shape (server-only training, split learning).
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 import time
@@ -37,7 +36,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from tasks.aggregate import weighted_mean
-from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
+from tasks.config import ConfigError, TaskConfig, fields_of, knob, replace_checked
 from tasks.env import Env, NodeData, library_env, user_env
 from tasks.training import derive_seed, evaluate, load_numpy_state
 
@@ -59,13 +58,17 @@ from .records import (
 
 @dataclass
 class RoundPolicy:
-    """How rounds are run: sampling, waiting and the minimum to aggregate."""
+    """How rounds are run: sampling, waiting and the minimum to aggregate. The run config's
+    keys of the same names (``flower_apps.config.AppConfig``) take these knobs."""
 
-    fraction_train: float = 1.0
-    min_nodes: int = 2
-    round_timeout: float = 600.0
-    wait_for_nodes: float = 300.0
-    split_transport: str = "message"   # split algorithms: "message" or "stream" (split_layer.stream)
+    fraction_train: float = knob(1.0, lo=0.0, hi=1.0, lo_open=True, help="share of nodes sampled per round")
+    min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
+    round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
+    wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
+    split_transport: str = knob("message", choices=("message", "stream"),
+                                help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
+                                     "gRPC stream the ServerApp hosts per round (Flower still starts and ends each "
+                                     "client's round); see docs/split.md")
     stream: Any = None                 # split_layer.stream.StreamOptions for "stream" (None = defaults)
 
 
@@ -166,7 +169,7 @@ class SSLStrategy(Strategy):
         if spec is not None:
             cfg = spec.build_config(cfg, by_target["algo"])
         if by_target["policy"]:
-            policy = dataclasses.replace(policy, **by_target["policy"])
+            policy = replace_checked(policy, **by_target["policy"])
         if by_target["task"]:
             task = replace_checked(task, **by_target["task"])
         self.task, self.cfg, self.algo = task, cfg, algo

@@ -109,7 +109,7 @@ class AlgorithmSpec:
                 raise ConfigError(f"{name}={value!r} contradicts algo={self.name!r}, which fixes {name}={fixed!r} "
                                   f"({self.description or 'a variant'})")
         try:
-            out = replace_checked(base, "", **options)
+            out = replace_checked(base, **options)
         except TypeError as e:
             raise TypeError(f"algo={self.name!r}: {e}") from None
         return dataclasses.replace(out, **self.overrides) if self.overrides else out

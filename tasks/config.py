@@ -27,6 +27,13 @@ def knob(default: Any, *, lo: float | None = None, hi: float | None = None,
         "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "help": help})
 
 
+def knob_of(cls, name: str) -> Any:
+    """The knob of field ``name`` of dataclass ``cls``, for another dataclass that takes the same
+    setting (one statement of its default, range and help)."""
+    f = cls.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
 def key_of(name: str, prefix: str = "") -> str:
     k = name.replace("_", "-")
     return f"{prefix}.{k}" if prefix else k
@@ -114,15 +121,16 @@ def parse_dataclass(cls, flat: dict[str, Any], prefix: str = "", *, strict: bool
     return obj
 
 
-def replace_checked(obj, prefix: str = "", **changes: Any):
+def replace_checked(obj, **changes: Any):
     """``dataclasses.replace(obj, **changes)`` with every value checked as the run config
-    checks it (type, range, choices, ``validate()``). An unknown name is a ``TypeError``
-    naming the allowed ones (keyword arguments of a constructor)."""
+    checks it (type, range, choices, ``validate()``); errors name the keyword as given. An
+    unknown name is a ``TypeError`` naming the allowed ones (keyword arguments of a constructor)."""
     fields = {f.name: (f, typ) for f, typ in fields_of(type(obj))}
     unknown = sorted(set(changes) - set(fields))
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
-    checked = {name: check_field(key_of(name, prefix), v, fields[name][1], dict(fields[name][0].metadata))
+    checked = {name: check_field(name, v, fields[name][1], dict(fields[name][0].metadata))
+               if fields[name][1] in (bool, int, float, str) else v
                for name, v in changes.items()}
     new = dataclasses.replace(obj, **checked)
     validate = getattr(new, "validate", None)

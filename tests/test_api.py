@@ -86,6 +86,8 @@ def test_keyword_constructors():
         ScalaStrategy(bogus=1)
     with pytest.raises(ConfigError, match=r"lr=-1.0 is out of range"):
         FedAvgStrategy(lr=-1)
+    with pytest.raises(ConfigError, match=r"fraction_train=1.5 is out of range; allowed \(0.0, 1.0\]"):
+        FedAvgStrategy(fraction_train=1.5)
     from strategies.ssfl import SSFLStrategy
     with pytest.raises(ConfigError, match="tau=2.0 is out of range"):
         SSFLStrategy(tau=2.0)
