@@ -373,13 +373,13 @@ def test_make_plan_is_fast():
 @pytest.mark.parametrize(
     "kwargs,mode,pattern",
     [
-        ({"scheme": "foo"}, "all", r"partition='foo' is not one of iid, dirichlet, quantity, ssfl-r"),
-        ({"scheme": "dirichlet", "alpha": 0.0}, "all", r"partition-alpha=0.0 must be > 0"),
+        ({"scheme": "foo"}, "all", r"partition='foo' is not one of: iid, dirichlet, quantity, ssfl-r"),
+        ({"scheme": "dirichlet", "alpha": 0.0}, "all", r"partition-alpha=0.0 is out of range; allowed \(0.0, inf\]"),
         ({"scheme": "dirichlet", "alpha": -1}, "all", r"partition-alpha"),
         ({"scheme": "quantity", "classes_per_client": 0}, "all", r"partition-classes-per-client=0"),
         ({"scheme": "quantity", "classes_per_client": 11}, "all", r"partition-classes-per-client=11 must be in \[1, 10\]"),
         ({"scheme": "quantity", "classes_per_client": 1}, "all", r"partition-classes-per-client=1 with 5 clients"),
-        ({"scheme": "ssfl-r", "r": 1.5}, "all", r"partition-r=1.5 must be in \[0.0, 1.0\]"),
+        ({"scheme": "ssfl-r", "r": 1.5}, "all", r"partition-r=1.5 is out of range; allowed \[0.0, 1.0\]"),
         ({"server_labels": -10}, "server", r"server-labels=-10"),
         ({"server_labels": 123}, "server", r"server-labels=123 must be a multiple"),
         ({"server_labels": 4010}, "server", r"server-labels=4010"),

@@ -9,7 +9,7 @@ import numpy as np
 
 from tasks.config import TaskConfig
 
-SCHEMES = ("iid", "dirichlet", "quantity", "ssfl-r")
+SCHEMES: tuple[str, ...] = TaskConfig.__dataclass_fields__["partition"].metadata["choices"]  # the run config's
 LABEL_MODES = ("all", "none", "server", "dir2", "mismatch")
 
 #: PartitionConfig field -> run-config key named in error messages (the kebab-case keys

@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from tasks.config import TaskConfig, check_field, fields_of
+
 from ._common import (
     _STAGE_DIR2,
     _STAGE_MISMATCH,
@@ -15,11 +17,8 @@ from ._common import (
     CONFIG_KEYS,
     DEFAULTS,
     LABEL_MODES,
-    SCHEMES,
-    _check_int,
     _check_labels,
     _check_num_clients,
-    _check_real,
     _num_classes,
 )
 from .clients import (
@@ -61,19 +60,12 @@ class PartitionConfig:
         return cls(**kwargs)
 
     def validate(self) -> "PartitionConfig":
-        """Check types and ranges; raise ValueError naming the run-config key."""
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"{CONFIG_KEYS['scheme']}={self.scheme!r} is not one of {', '.join(SCHEMES)}")
-        _check_real(self.alpha, CONFIG_KEYS["alpha"], 0.0, low_open=True, what="Dirichlet concentration")
-        _check_int(self.classes_per_client, CONFIG_KEYS["classes_per_client"], 1, what="quantity skew k")
-        _check_real(self.r, CONFIG_KEYS["r"], 0.0, 1.0, what="SSFL target non-IID level R")
-        _check_int(self.server_labels, CONFIG_KEYS["server_labels"], 0)
-        _check_real(self.labeled_alpha, CONFIG_KEYS["labeled_alpha"], 0.0, low_open=True, what="Dir_2 concentration")
-        _check_real(self.mismatch_ratio, CONFIG_KEYS["mismatch_ratio"], 0.0, 1.0)
-        _check_int(self.labeled_per_client, CONFIG_KEYS["labeled_per_client"], 1)
-        _check_int(self.labeled_classes_per_client, CONFIG_KEYS["labeled_classes_per_client"], 1)
-        _check_int(self.min_size, CONFIG_KEYS["min_size"], 0)
-        _check_int(self.seed, CONFIG_KEYS["seed"], 0)
+        """Check types, ranges and choices against the run config's knobs (``TaskConfig``: one
+        statement of each); a ``ConfigError`` (a ValueError) names the run-config key."""
+        fields = {f.name: (f, typ) for f, typ in fields_of(TaskConfig)}
+        for name, key in CONFIG_KEYS.items():
+            f, typ = fields[key.replace("-", "_")]
+            check_field(key, getattr(self, name), typ, dict(f.metadata))
         return self
 
 
