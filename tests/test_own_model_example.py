@@ -93,16 +93,17 @@ def test_six_algorithms_run_with_the_apps_own_model_and_data(tmp_path):
 
 @pytest.mark.e2e
 def test_flwr_run_of_the_example(tmp_path):
-    """The example as its user runs it: `flwr run .` in its own folder, a split algorithm (the
-    app's own modules come from the FAB Flower builds of the folder, not from PYTHONPATH)."""
+    """The example as its user runs it: `flwr run .` in its own folder, a full-model and a split
+    algorithm one after the other (the app's own modules come from the FAB Flower builds of the
+    folder, not from PYTHONPATH)."""
     env = hermetic_env(tmp_path)
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
     try:
-        proc = flwr_cli(["run", ".", "--stream", "--run-config", "algo='scala' num-rounds=2"],
+        proc = flwr_cli(["run", ".", "--stream", "--run-config", "algo='fedavg,scala' num-rounds=2"],
                         env=env, timeout=400, cwd=EXAMPLE)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
-        assert "own_model scala: final accuracy" in out, out[-3000:]
+        assert "own_model fedavg: final accuracy" in out and "own_model scala: final accuracy" in out, out[-3000:]
     finally:
         stop_local_superlink(env)

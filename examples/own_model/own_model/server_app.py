@@ -72,9 +72,10 @@ def evaluate_fn(algo: str):
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = {**DEFAULTS, **dict(context.run_config)}
-    algo = str(cfg["algo"])
-    strategy = make_strategy(algo, int(cfg["local-steps"]), int(cfg["batch-size"]), float(cfg["lr"]))
-    result = strategy.start(grid, num_rounds=int(cfg["num-rounds"]), evaluate_fn=evaluate_fn(algo))
-    RESULTS[algo] = result
-    last = result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]
-    log(INFO, "own_model %s: final accuracy %.4f", algo, float(last.get("accuracy", np.nan)))
+    for algo in str(cfg["algo"]).split(","):   # 'fedavg,scala': one run after the other, same SuperNodes
+        algo = algo.strip()
+        strategy = make_strategy(algo, int(cfg["local-steps"]), int(cfg["batch-size"]), float(cfg["lr"]))
+        result = strategy.start(grid, num_rounds=int(cfg["num-rounds"]), evaluate_fn=evaluate_fn(algo))
+        RESULTS[algo] = result
+        last = result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]
+        log(INFO, "own_model %s: final accuracy %.4f", algo, float(last.get("accuracy", np.nan)))
