@@ -411,13 +411,14 @@ def client_train(msg: Message, context: Context) -> Message:
     if cfg.unsup_loss != "none" and len(unlabeled) > 0:
         v, probs = soft_pseudo_labels(model, unlabeled, env.augmenter, a0, cfg.alpha1, env.device)
         targets = v
-        y_true = torch.from_numpy(unlabeled.y).to(env.device)
-        correct = (probs.argmax(1) == y_true).float()
-        seen = torch.zeros(env.num_classes, dtype=torch.bool, device=env.device)
-        seen[torch.from_numpy(np.unique(labeled.y)).to(env.device)] = True
-        unseen = ~seen[y_true]
-        metrics["pl-acc"] = float(correct.mean())
-        metrics["pl-acc-unseen"] = float(correct[unseen].mean()) if bool(unseen.any()) else float("nan")
+        if unlabeled.labels_known:  # a user's unlabeled images have no hidden labels to compare with
+            y_true = torch.from_numpy(unlabeled.y).to(env.device)
+            correct = (probs.argmax(1) == y_true).float()
+            seen = torch.zeros(env.num_classes, dtype=torch.bool, device=env.device)
+            seen[torch.from_numpy(np.unique(labeled.y)).to(env.device)] = True
+            unseen = ~seen[y_true]
+            metrics["pl-acc"] = float(correct.mean())
+            metrics["pl-acc-unseen"] = float(correct[unseen].mean()) if bool(unseen.any()) else float("nan")
         metrics["pl-confidence"] = float(v.max(1).values.mean())
 
     # step 4: tau_k corrected local steps

@@ -224,9 +224,12 @@ def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: i
         correct += float(((pseudo == yb).to(mask.dtype) * mask).sum())
         counts = torch.bincount(pseudo[mask > 0].long())
         hist = counts.cpu() if hist is None else _add_hist(hist, counts.cpu())
-    return {"train-loss": total / max(seen, 1), "num-examples": float(seen),
-            "mask-rate": kept / max(seen, 1), "pseudo-kept": kept, "pseudo-correct": correct,
-            "pseudo-hist": [float(v) for v in (hist.tolist() if hist is not None else [])]}
+    out = {"train-loss": total / max(seen, 1), "num-examples": float(seen),
+           "mask-rate": kept / max(seen, 1), "pseudo-kept": kept,
+           "pseudo-hist": [float(v) for v in (hist.tolist() if hist is not None else [])]}
+    if data.labels_known:  # a user's unlabeled images have no hidden labels to compare with
+        out["pseudo-correct"] = correct
+    return out
 
 
 def _add_hist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -365,7 +368,8 @@ class SSFLStrategy(SSLStrategy):
         out["mask-rate"] = float(sum(m["pseudo-kept"] for m in mets) / max(n_ex.sum(), 1.0))
         kept = sum(m["pseudo-kept"] for m in mets)
         if kept > 0:
-            out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in mets) / kept
+            if all("pseudo-correct" in m for m in mets):
+                out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in mets) / kept
             hists = [np.asarray(m.get("pseudo-hist", []), dtype=np.float64) for m in mets]
             size = max((len(h) for h in hists), default=0)
             if size:

@@ -418,7 +418,8 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
         p_self, h_self = scorer.predict(own, scorer.xu, ("u", "aggregated"))
         targets, choice = select_pseudo_labels([p_self] + [s[1] for s in scored[1:]],
                                                [h_self] + [s[2] for s in scored[1:]])
-        metrics["pseudo-label-accuracy"] = float((targets.argmax(1) == scorer.yu).float().mean())
+        if unl.labels_known:  # a user's unlabeled images have no hidden labels to compare with
+            metrics["pseudo-label-accuracy"] = float((targets.argmax(1) == scorer.yu).float().mean())
         metrics["pseudo-label-from-self"] = float((choice == 0).float().mean())
     out = _train_distill(own, env.labeled(), unl, targets, scorer.mu, env=env, seed=seed)
     _write_helpers(context, ids, versions, corr[1:])

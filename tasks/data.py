@@ -60,6 +60,12 @@ class ArrayDataset:
     def __len__(self) -> int:
         return len(self.y)
 
+    @property
+    def labels_known(self) -> bool:
+        """Whether every label is known (a user's unlabeled images carry ``y = -1``): metrics that
+        compare pseudo-labels with the hidden labels are only reported then."""
+        return len(self.y) > 0 and int(self.y.min()) >= 0
+
     def subset(self, idx: np.ndarray) -> "ArrayDataset":
         idx = np.asarray(idx, dtype=np.int64)
         return ArrayDataset(self.x[idx], self.y[idx])
@@ -81,6 +87,8 @@ def as_dataset(data, name: str = "data", *, need_labels: bool = False) -> ArrayD
         x, y = data
     elif hasattr(data, "shape") or isinstance(data, (list, np.ndarray)):
         x, y = data, None
+    elif isinstance(getattr(data, "tensors", None), tuple) and len(data.tensors) >= 2:
+        x, y = data.tensors[0], data.tensors[1]   # torch TensorDataset: no per-sample loop
     elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         items = [data[i] for i in range(len(data))]
         if not items or not all(isinstance(it, (tuple, list)) and len(it) >= 2 for it in items):

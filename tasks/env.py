@@ -200,7 +200,6 @@ def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data:
     if staged:
         base_fn = model_fn
         model_fn = lambda: _staged(base_fn(), cut)  # noqa: E731
-        _staged(base_fn(), cut)  # a model split learning cannot cut fails here, before any node is asked
     sample = data.first()
     if augmenter is None and sample is not None:
         c, h, w = sample.x.shape[1:]

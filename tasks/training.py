@@ -188,7 +188,7 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
     n_steps = max(steps, 1)
     return {"train-loss": total / n_steps, "num-examples": float(seen),
             "mask-rate": kept / seen_u if seen_u else 0.0,
-            "pseudo-label-accuracy": correct / kept if kept else float("nan")}
+            "pseudo-label-accuracy": correct / kept if kept and unlabeled.labels_known else float("nan")}
 
 
 @torch.no_grad()

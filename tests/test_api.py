@@ -196,3 +196,19 @@ def test_nodes_without_a_partition_id_take_part_and_are_sampled():
     assert [r["participants"] for r in rows] == [2, 2] and all(r["dropped"] == [] for r in rows)
     assert sorted(s.partition_of) == sorted(grid.contexts)   # every node answered node-info
     assert all(s.partition_of[n] == n % (1 << 31) for n in grid.contexts)
+
+
+def test_metrics_against_hidden_labels_are_not_reported_for_images_without_labels():
+    """A user's unlabeled images carry y = -1: no pseudo-label accuracy computed against them."""
+    from strategies.ssfl import SSFLClient, SSFLStrategy
+
+    client = SSFLClient(_Tiny(), lambda ctx: {"unlabeled": _sets(int(ctx.node_config["partition-id"]))[0]})
+    s = SSFLStrategy(model=_Tiny(), labeled_data=_sets(8), test_data=_sets(9), local_steps=2, batch_size=8, tau=0.0)
+    rows = []
+    s.start(LocalGrid(2, client.handle), num_rounds=1, on_round_end=lambda r, m: rows.append(m))
+    assert rows[0]["participants"] == 2 and rows[0]["mask-rate"] > 0
+    assert "impurity" not in rows[0]                       # was 1.0: every y = -1 counted as wrong
+    d = as_dataset((np.zeros((3, 1, 4, 4), np.uint8), torch.arange(3)))
+    assert d.labels_known and not as_dataset(np.zeros((3, 1, 4, 4), np.uint8)).labels_known
+    t = as_dataset(torch.utils.data.TensorDataset(torch.zeros(3, 1, 4, 4), torch.arange(3)))
+    assert t.x.shape == (3, 1, 4, 4) and t.y.tolist() == [0, 1, 2]
