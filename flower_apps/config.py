@@ -57,6 +57,19 @@ class AppConfig:
                                           "rounds (one Flower message starts it; later rounds start on the "
                                           "stream); round = one round; auto = run unless a simulation cannot "
                                           "run every node's ClientApp at once")
+    split_stream_allow_plaintext: bool = knob(False, help="stream transport: accept split-stream-tls='off' when "
+                                                          "SuperNodes dial a non-loopback address (tokens, "
+                                                          "activations and gradients then cross the network in "
+                                                          "the clear; a warning is logged every run)")
+
+    def stream_options(self):
+        """The stream transport's options (:class:`split_layer.stream.StreamOptions`: its rules
+        are checked there, once)."""
+        from split_layer.stream import StreamOptions
+
+        return StreamOptions(host=self.split_stream_host, advertise=self.split_stream_advertise,
+                             port=self.split_stream_port, tls=self.split_stream_tls, timeout=self.round_timeout,
+                             session=self.split_stream_session, allow_plaintext=self.split_stream_allow_plaintext)
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():
@@ -64,12 +77,8 @@ class AppConfig:
         if self.resume and not self.run_name:
             raise ConfigError("resume=true needs run-name='<the run folder to continue>'")
         if self.split_transport == "stream":  # the stream's own rules (one place: StreamOptions)
-            from split_layer.stream import StreamOptions
-
             try:
-                StreamOptions(host=self.split_stream_host, advertise=self.split_stream_advertise,
-                              port=self.split_stream_port, tls=self.split_stream_tls,
-                              session=self.split_stream_session)
+                self.stream_options()
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):

@@ -48,15 +48,6 @@ def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_roun
             f"{metrics.get('round-seconds', 0.0):.1f}s | ETA {eta:.0f}s{extra}")
 
 
-def stream_options(app_cfg):
-    """The stream transport's options from the run config (split algorithms only)."""
-    from split_layer.stream import StreamOptions
-
-    return StreamOptions(host=app_cfg.split_stream_host, advertise=app_cfg.split_stream_advertise,
-                         port=app_cfg.split_stream_port, tls=app_cfg.split_stream_tls,
-                         timeout=app_cfg.round_timeout, session=app_cfg.split_stream_session)
-
-
 def user_keys(grid: Grid) -> set[str] | None:
     """The run-config keys the user set for this run (``flwr run --run-config``), or None
     where the grid does not know its run."""
@@ -82,7 +73,7 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
     strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, RoundPolicy(
         fraction_train=app_cfg.fraction_train, min_nodes=app_cfg.min_nodes,
         round_timeout=app_cfg.round_timeout, split_transport=app_cfg.split_transport,
-        stream=stream_options(app_cfg)))
+        stream=app_cfg.stream_options()))
     try:
         strategy.setup(grid)  # waits for min-nodes, partitions the data over the nodes seen
     except ConfigError as e:

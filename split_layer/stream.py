@@ -88,6 +88,7 @@ from flwr.app import Message
 from flwr.common import log
 
 from .records import CONFIG_KEY, query
+from .stream_guard import FD_RESERVE, MIN_CAP, UNAUTH_TOTAL, ConnectionGuard, RefusalLog, descriptor_room
 from .transport import (
     Envelope,
     FlowerTransport,
@@ -122,7 +123,9 @@ FRAME_MARGIN = 64 * 1024          # header, tensor table, error text on top of t
 DEFAULT_MAX_FRAME = 64 * 2 ** 20  # a transport whose owner declares no stream specs
 FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout),
 FIRST_FRAME_RATE = 128 * 1024     # ... plus the time to send the largest frame at 1 Mbit/s
-MAX_REFUSAL_LOGS = 20             # per round; the rest are counted and summarised at the round's end
+MAX_STREAMS_PER_CONNECTION = 4    # a genuine client uses one stream per connection
+BIND_RETRY_S = 5.0                # a fixed port still held is retried this long
+STOP_WAIT_S = 10.0                # a stopping server is waited for this long (its port is then free)
 # keepalive: the client pings every 30 s (also while it computes and sends nothing); the server
 # accepts pings that often, pings every 60 s itself, and closes a connection whose pings go
 # unanswered for 20 s, one that has not finished its handshake in 20 s or that holds no call for 60 s.
@@ -289,6 +292,7 @@ class StreamOptions:
     tls: str = "auto"             # auto | on | off
     timeout: float = 600.0        # every wait, both sides (the run's round-timeout)
     session: str = "auto"         # auto | run | round: how long one node's stream session lasts
+    allow_plaintext: bool = False  # tls='off' towards a non-loopback address: the user's explicit consent
 
     def __post_init__(self) -> None:
         if self.tls not in TLS_MODES:
@@ -298,6 +302,12 @@ class StreamOptions:
         if self.host in ("0.0.0.0", "::", "") and not self.advertise:
             raise ValueError(f"split-stream-host={self.host!r} binds every interface; set split-stream-advertise "
                              f"to the address SuperNodes reach the ServerApp at")
+        if self.tls == "off" and not _is_loopback(self.address_host) and not self.allow_plaintext:
+            raise ValueError(
+                f"split-stream-tls='off' with SuperNodes dialling {self.address_host!r}, which is not a loopback "
+                f"address: each node's session token and every activation and gradient would cross the network "
+                f"in the clear. Use split-stream-tls='auto' or 'on', or set split-stream-allow-plaintext=true "
+                f"to accept that (e.g. on a network you trust; a warning is logged every run)")
 
     @property
     def address_host(self) -> str:
@@ -415,7 +425,7 @@ class _Server:
     """
 
     def __init__(self, opts: StreamOptions, nodes: list[int], max_frame: int = DEFAULT_MAX_FRAME,
-                 lifetime: float = 86_400.0, workers: int = 0) -> None:
+                 lifetime: float = 86_400.0, expected: int = 0) -> None:
         self.events: queue.Queue = queue.Queue()   # (node, kind, payload) of the nodes' current sessions
         self._lock = threading.Lock()
         self.sessions: dict[int, _Session] = {}
@@ -423,32 +433,70 @@ class _Server:
             self.open(n)
         self.max_frame = int(max_frame)
         self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S + self.max_frame / FIRST_FRAME_RATE)
-        self.refused: collections.Counter = collections.Counter()   # reason -> count
-        self._logged = 0
+        self.refusals = RefusalLog()
         self._dummy = secrets.token_hex(32).encode()  # compared against for unknown nodes (same timing)
+        # The connection budget (split_layer.stream_guard): room for the expected sessions, twice
+        # over (nodes that join later), and for UNAUTH_TOTAL connections not yet authenticated;
+        # gRPC closes any connection over the cap at accept, and the descriptors it may take are
+        # checked against the process's limit, keeping FD_RESERVE for the ServerApp's own files.
+        expected = max(int(expected), len(nodes), 1)
+        self.session_room = expected + max(expected, 8)
+        want = max(self.session_room + UNAUTH_TOTAL, MIN_CAP)
+        room = descriptor_room(want + 16) - 16   # (16: gRPC's own listener and pollers)
+        if room < expected + 8:
+            raise StreamConfigError(
+                f"split stream: this process may open only {max(room, 0)} more files (ulimit -n, keeping "
+                f"{FD_RESERVE} for the run's own files), too few for one connection per node ({expected} expected) "
+                f"plus a margin; raise the ServerApp's descriptor limit (`ulimit -n "
+                f"{2 * self.session_room + UNAUTH_TOTAL + 256}` before starting it) or sample fewer nodes")
+        self.capacity = min(want, room)
+        self.session_room = min(self.session_room, self.capacity - 8)
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
         # Genuine streams hold one worker each (one per node); refusals take one briefly and
-        # never read the network, so a flood of them delays but cannot starve a node.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max(int(workers), len(nodes) + 4),
+        # never read the network, so a few spare workers serve them all. Threads are made as needed.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.session_room + 32,
                                                              thread_name_prefix="split-stream"),
                                   handlers=[handler], interceptors=[_AuthInterceptor(self)],
-                                  options=_grpc_options(self.max_frame) + _KEEPALIVE_SERVER)
+                                  options=_grpc_options(self.max_frame) + _KEEPALIVE_SERVER
+                                  + [("grpc.max_allowed_incoming_connections", int(self.capacity)),
+                                     ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)])
         self.tls = opts.use_tls()
         bind = f"[{opts.host}]:{opts.port}" if ":" in opts.host else f"{opts.host}:{opts.port}"
         if self.tls:
             key, cert = ephemeral_certificate(lifetime + 3600.0)
-            port = self.server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
+            creds = grpc.ssl_server_credentials([(key, cert)])
             self.cert = cert.decode()
         else:
-            port = self.server.add_insecure_port(bind)
+            creds = None
             self.cert = ""
-        if not port:
-            raise StreamConfigError(f"cannot listen on split-stream-host={opts.host!r} split-stream-port={opts.port}")
+        port = self._bind(bind, creds, opts)
         h = opts.address_host
         self.port = port
         self.address = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
         self.server.start()
+        self.guard = ConnectionGuard(port, self.refusals)
+        self.guard.start()
+
+    def _bind(self, bind: str, creds, opts: StreamOptions) -> int:
+        """Listen on ``bind``; a fixed port still held (by a server of this process that is
+        stopping, or by another program) is retried for :data:`BIND_RETRY_S`, then a
+        :class:`StreamConfigError` names ``split-stream-port``."""
+        deadline = time.monotonic() + (BIND_RETRY_S if opts.port else 0.0)
+        while True:
+            try:
+                port = (self.server.add_secure_port(bind, creds) if creds is not None
+                        else self.server.add_insecure_port(bind))
+            except RuntimeError:
+                port = 0
+            if port:
+                return port
+            if time.monotonic() >= deadline:
+                raise StreamConfigError(
+                    f"split stream: cannot listen on split-stream-host={opts.host!r} split-stream-port={opts.port}"
+                    + (" (the port is in use: choose another split-stream-port, or 0 for an ephemeral one)"
+                       if opts.port else ""))
+            time.sleep(0.1)
 
     def open(self, node: int) -> "_Session":
         """A new session for ``node`` with a fresh token; a previous session of the node is
@@ -469,13 +517,13 @@ class _Server:
             self.events.put((node, kind, payload))
 
     # ------------------------------------------------------------------ authentication
-    def authenticate(self, metadata) -> tuple[int | None, str]:
-        """``(node, "")`` for a call that carries a node of this round and its token, else
-        ``(None, why)``. The token is compared as bytes in constant time (also for an
-        unknown node, against a dummy)."""
+    def authenticate(self, metadata) -> tuple[int | None, str, str]:
+        """``(node, "", "")`` for a call that carries a node of this session and its token, else
+        ``(None, reason, why)`` (``reason``: one of ``stream_guard.REASONS``). The token is
+        compared as bytes in constant time (also for an unknown node, against a dummy)."""
         raw_node, token = _metadata_value(metadata, NODE_HEADER), _metadata_value(metadata, TOKEN_HEADER)
         if raw_node is None or token is None:
-            return None, "no node id or token in the call metadata"
+            return None, "no-credentials", "no node id or token in the call metadata"
         if isinstance(token, str):
             token = token.encode("utf-8", "surrogateescape")
         try:
@@ -485,42 +533,50 @@ class _Server:
         sess = self.sessions.get(node) if node is not None else None
         ok = hmac.compare_digest(bytes(token), sess.key if sess is not None else self._dummy)
         if sess is None:
-            return None, f"node {str(raw_node)[:40]!r} is not in this round"
+            return None, "unknown-node", f"node {str(raw_node)[:40]!r} is not in this round"
         if not ok:
-            return None, f"wrong token for node {node}"
-        return node, ""
+            return None, "wrong-token", f"wrong token for node {node}"
+        return node, "", ""
 
-    def refuse(self, why: str, peer: str = "") -> None:
-        with self._lock:
-            self.refused[why.split(" for node")[0]] += 1
-            n = self._logged = self._logged + 1
-        if n <= MAX_REFUSAL_LOGS:
-            log(WARNING, "split stream: refused %s: %s", peer or "a call", why)
+    def refuse(self, reason: str, why: str, peer: str = "") -> None:
+        """Count a refused call (bounded: ``stream_guard.RefusalLog``) and have its connection closed."""
+        self.refusals.add(reason, why, peer)
+        if peer:
+            self.guard.refused(peer)
 
-    def _refusal(self, why: str):
+    def _refusal(self, reason: str, why: str):
         def refuse(request_iterator, context):  # never reads a frame
-            self.refuse(why, context.peer())
+            self.refuse(reason, why, context.peer())
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"split stream: {why}")
         return grpc.stream_stream_rpc_method_handler(refuse)
 
     # ------------------------------------------------------------------ the call
     def _exchange(self, request_iterator: Iterator[bytes], context) -> Iterator[bytes]:
-        node, why = self.authenticate(context.invocation_metadata())  # again, in case of another door in
+        peer = context.peer()
+        node, reason, why = self.authenticate(context.invocation_metadata())  # again, in case of another door in
         if node is None:
-            self.refuse(why, context.peer())
+            self.refuse(reason, why, peer)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"split stream: {why}")
             return
         sess = self.sessions[node]
         with self._lock:
-            why = (f"node {node} is already connected in this session" if sess.connected else
-                   f"node {node} was already dropped from this session" if sess.closed else "")
+            reason, why = (("already-connected", f"node {node} is already connected in this session") if sess.connected
+                           else ("already-dropped", f"node {node} was already dropped from this session")
+                           if sess.closed else ("", ""))
             if not why:
                 sess.connected = True
                 sess.context = context
         if why:
-            self.refuse(why, context.peer())
+            self.refuse(reason, why, peer)
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"split stream: {why}")
             return
+        self.guard.authenticated(peer)   # a genuine session's connection: outside the budget
+        try:
+            yield from self._session(sess, node, request_iterator, context)
+        finally:
+            self.guard.released(peer)
+
+    def _session(self, sess: "_Session", node: int, request_iterator: Iterator[bytes], context) -> Iterator[bytes]:
         timer = threading.Timer(self.first_frame_s, self._first_frame_late, args=(sess, node, context))
         timer.daemon = True
         timer.start()
@@ -578,11 +634,14 @@ class _Server:
                 sess.context.cancel()
 
     def stop(self) -> None:
+        """End every session and stop; returns once the port is free again (a fixed
+        ``split-stream-port`` can be bound by the next server at once)."""
         for n in list(self.sessions):
             self.end(n)
-        self.server.stop(grace=1.0)
-        if self._logged > MAX_REFUSAL_LOGS:
-            log(WARNING, "split stream: %d call(s) refused this round in all: %s", self._logged, dict(self.refused))
+        self.guard.stop()
+        if not self.server.stop(grace=1.0).wait(STOP_WAIT_S):
+            log(WARNING, "split stream: the server on port %s did not stop within %.0f s", self.port, STOP_WAIT_S)
+        self.refusals.final()
 
 
 class _AuthInterceptor(grpc.ServerInterceptor):
@@ -594,10 +653,10 @@ class _AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method != METHOD:
-            return self.srv._refusal(f"unknown method {str(handler_call_details.method)[:80]!r}")
-        node, why = self.srv.authenticate(handler_call_details.invocation_metadata)
+            return self.srv._refusal("unknown-method", f"unknown method {str(handler_call_details.method)[:80]!r}")
+        node, reason, why = self.srv.authenticate(handler_call_details.invocation_metadata)
         if node is None:
-            return self.srv._refusal(why)
+            return self.srv._refusal(reason, why)
         return continuation(handler_call_details)
 
 
@@ -757,17 +816,24 @@ class StreamTransport(Transport):
         return False
 
     def _open_server(self, out: dict[int, Envelope], iters: int) -> None:
+        # sized from the nodes: a session per node that can have one at once (every node of the
+        # federation when sessions span rounds, the sampled ones otherwise), in both modes
+        nodes = len(self.grid.get_node_ids())
         if self.spans:  # one server for the run: bound by the largest frame any round can carry
             bound = max(self.max_frame(list(out), largest=True),
                         2 * max(nbytes_arrays(e.arrays) for e in out.values()) + FRAME_MARGIN)
-            nodes = len(self.grid.get_node_ids())
             self.server = _Server(self.opts, [], max_frame=bound, lifetime=SESSION_MAX_S,
-                                  workers=2 * max(nodes, len(out)) + 8)
+                                  expected=max(nodes, len(out), len(self.live)))
         else:
             self.server = _Server(self.opts, [], max_frame=self.max_frame(list(out)),
-                                  lifetime=self.opts.timeout * (iters + 2))
-        log(INFO, "split stream on %s (%s), sessions %s", self.server.address,
-            "TLS" if self.server.tls else "plaintext", "span rounds" if self.spans else "of one round")
+                                  lifetime=self.opts.timeout * (iters + 2), expected=len(out))
+        if not self.server.tls and not _is_loopback(self.opts.address_host):
+            log(WARNING, "split stream: TLS is off (split-stream-tls='off', split-stream-allow-plaintext=true): "
+                "the session tokens and every activation and gradient cross the network to %s in the clear",
+                self.server.address)
+        log(INFO, "split stream on %s (%s), sessions %s, up to %d connections", self.server.address,
+            "TLS" if self.server.tls else "plaintext", "span rounds" if self.spans else "of one round",
+            self.server.capacity)
 
     def _start(self, server_round: int, out: dict[int, Envelope]) -> dict[int, Envelope]:
         self.check_concurrency(list(out))
@@ -775,6 +841,10 @@ class StreamTransport(Transport):
         if self.spans is None:
             self.spans = self.decide_spans(list(out))
         if not self.spans:
+            self.close()
+        elif self.server is not None and len(self.live | set(out)) > self.server.session_room:
+            log(INFO, "split stream: %d sessions exceed the server's room for %d; every node gets a new session",
+                len(self.live | set(out)), self.server.session_room)
             self.close()
         if self.server is None:
             self._open_server(out, iters)
@@ -923,8 +993,8 @@ def nbytes_arrays(arrays: dict[str, dict[str, np.ndarray]]) -> int:
 class StreamClient:
     """The ClientApp end of one round's stream (lock-step: send a frame, receive a frame).
 
-    The call starts with the first :meth:`send` (its metadata authenticates the node, the
-    frame follows at once); each :meth:`recv` waits at most ``2 x timeout`` seconds (the
+    The call starts as soon as the connection is up (its metadata authenticates the node);
+    the first frame follows with the first :meth:`send`; each :meth:`recv` waits at most ``2 x timeout`` seconds (the
     server waits ``timeout`` for the slowest node, then answers), and keepalive pings detect
     a dead server sooner. ``max_frame``: the largest message
     accepted from the server (the round's bound, from the start message; 0 = unbounded).
@@ -947,6 +1017,7 @@ class StreamClient:
         self.address = address
         self._out: queue.Queue = queue.Queue()
         self.call = None
+        self._first = True
         wait = min(self.timeout, 120.0)
         try:
             grpc.channel_ready_future(self.channel).result(timeout=wait)
@@ -954,6 +1025,10 @@ class StreamClient:
             self.channel.close()
             raise StreamError(f"cannot connect to the split stream at {address} within {wait:.0f} s (is "
                               f"split-stream-advertise reachable from this SuperNode?)") from None
+        # the call (whose metadata authenticates the node) starts with the connection: the server
+        # closes a connection that has not authenticated within seconds (split_layer.stream_guard);
+        # its first frame follows when the node has computed it
+        self._start_call()
 
     def _requests(self) -> Iterator[bytes]:
         while True:
@@ -967,14 +1042,13 @@ class StreamClient:
         self.call = self.channel.stream_stream(METHOD)(self._requests(), metadata=metadata, wait_for_ready=True)
 
     def send(self, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
-        self._out.put(encode({**header, "node": self.node} if self.call is None else header, tensors))
-        if self.call is None:
-            self._start_call()
+        self._out.put(encode({**header, "node": self.node} if self._first else header, tensors))
+        self._first = False
 
     def recv(self, wait: float | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The server's next frame, waiting at most ``wait`` seconds (default ``2 x timeout``;
         a session waiting for its next round passes the session's idle limit)."""
-        if self.call is None:
+        if self._first:
             raise StreamError("split stream: recv before the first send")
         late = threading.Event()
         limit = self.recv_wait if wait is None else float(wait)

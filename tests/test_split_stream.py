@@ -264,10 +264,9 @@ def _parse(extra: dict):
 
 
 def test_stream_keys_parse_and_reach_the_strategy_policy():
-    from flower_apps.server_app import stream_options
     p = _parse({"algo": "scala", "split-transport": "stream", "split-stream-tls": "on", "split-stream-port": 0,
                 "round-timeout": 42.0})
-    o = stream_options(p.app)
+    o = p.app.stream_options()
     assert (o.tls, o.timeout, o.host, o.use_tls()) == ("on", 42.0, "127.0.0.1", True)
     assert not StreamOptions(tls="auto").use_tls() and StreamOptions(host="10.0.0.5", tls="auto").use_tls()
 
@@ -297,7 +296,36 @@ def test_tls_follows_the_address_clients_dial_not_the_bind_host():
     assert StreamOptions(host="0.0.0.0", advertise="10.0.0.5").use_tls()
     assert not StreamOptions(host="0.0.0.0", advertise="127.0.0.1").use_tls()   # clients dial loopback
     assert StreamOptions(host="127.0.0.1", advertise="node.example.org").use_tls()  # a tunnel's far end
-    assert not StreamOptions(host="10.0.0.5", advertise="10.0.0.5", tls="off").use_tls()
+    assert not StreamOptions(host="10.0.0.5", advertise="10.0.0.5", tls="off", allow_plaintext=True).use_tls()
+
+
+def test_plaintext_towards_a_remote_address_needs_the_users_explicit_key():
+    with pytest.raises(ValueError, match="split-stream-allow-plaintext=true"):
+        StreamOptions(host="0.0.0.0", advertise="10.0.0.5", tls="off")
+    assert not StreamOptions(host="127.0.0.1", tls="off").use_tls()   # loopback: nothing crosses a network
+    with pytest.raises(ConfigError, match="split-stream-allow-plaintext"):
+        _parse({"algo": "scala", "split-transport": "stream", "split-stream-host": "0.0.0.0",
+                "split-stream-advertise": "10.0.0.5", "split-stream-tls": "off"})
+    p = _parse({"algo": "scala", "split-transport": "stream", "split-stream-host": "0.0.0.0",
+                "split-stream-advertise": "10.0.0.5", "split-stream-tls": "off",
+                "split-stream-allow-plaintext": True})
+    assert p.app.stream_options().allow_plaintext
+
+
+def test_plaintext_towards_a_remote_address_is_warned_about_every_run(caplog):
+    import logging
+    grid = LocalGrid(K, echo_handler())
+    # bound on loopback (nothing listens elsewhere); only the advertised name is remote
+    opts = StreamOptions(host="127.0.0.1", advertise="node.example.org", tls="off", allow_plaintext=True)
+    tr = StreamTransport(Owner(), grid, opts)
+    tr.spans = False
+    logging.getLogger("flwr").addHandler(caplog.handler)
+    try:
+        tr._open_server({n: Envelope(config={"split-step": 1, "split-iters": 1}) for n in grid.get_node_ids()}, 1)
+    finally:
+        logging.getLogger("flwr").removeHandler(caplog.handler)
+        tr.close()
+    assert any("TLS is off" in r.getMessage() and "in the clear" in r.getMessage() for r in caplog.records)
 
 
 def test_every_round_has_its_own_certificate_valid_for_the_round():
@@ -332,7 +360,7 @@ def test_an_authenticated_call_without_a_first_frame_is_cut_at_the_deadline():
     srv = _Server(StreamOptions(timeout=1.0), [5])   # first-frame deadline = min(timeout, 60 s)
     try:
         c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=5.0)
-        c._start_call()   # the call (and its metadata) without a frame
+        c._first = False   # the call (and its metadata) started with the connection; wait without a frame
         with pytest.raises(StreamError, match="CANCELLED"):
             c.recv()
         c.close()

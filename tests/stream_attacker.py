@@ -1,0 +1,140 @@
+"""A hostile peer of the split stream port, run as its own process (loopback only, bounded).
+
+    python tests/stream_attacker.py HOST PORT --hold N --callers M --every S --seconds T
+    python tests/stream_attacker.py HOST PORT --flood --seconds T
+
+``--hold N``: keeps N connections open to HOST:PORT (from ``--source``, another loopback
+address, as another host would; each sends HTTP/2's client preface, so gRPC's handshake
+limit does not close it, and then nothing), re-opening each one the server closes
+``--every`` seconds later (one that could not connect, e.g. while the port is closed
+between rounds, at once);
+``--callers M``: M gRPC channels, each on a connection of its own, that make one call
+without a token every ``--every`` seconds (the call is refused; the channel reconnects
+if the server closed its connection). ``--flood``: token-less calls as fast as one
+channel can make them. Stops after ``--seconds`` or when its standard input closes, and
+prints one JSON line: the most connections it held at once, calls made, status codes seen.
+
+Only loopback addresses are accepted: this is a test tool for a server on this machine.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+
+import grpc
+
+METHOD = "/flowerssl.SplitStream/Exchange"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("host")
+    ap.add_argument("port", type=int)
+    ap.add_argument("--hold", type=int, default=0)
+    ap.add_argument("--source", default="127.0.0.1")
+    ap.add_argument("--callers", type=int, default=0)
+    ap.add_argument("--every", type=float, default=1.0)
+    ap.add_argument("--flood", action="store_true")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    a = ap.parse_args()
+    if not (ipaddress.ip_address(a.host).is_loopback and ipaddress.ip_address(a.source).is_loopback):
+        raise SystemExit(f"{a.host} is not a loopback address; this tool attacks loopback only")
+    stop = threading.Event()
+    end = time.monotonic() + min(a.seconds, 600.0)
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    codes: Counter = Counter()
+    calls = 0
+    most = 0
+    reconnects = 0
+    socks: list[socket.socket | None] = [None] * a.hold
+    retry = [0.0] * a.hold     # when a closed slot is re-opened
+    state = [""] * a.hold      # "", "connecting", "open"
+    sel = selectors.DefaultSelector()
+    chans = [grpc.insecure_channel(f"{a.host}:{a.port}", options=[("grpc.use_local_subchannel_pool", 1),
+                                                                  ("grpc.initial_reconnect_backoff_ms", 100),
+                                                                  ("grpc.max_reconnect_backoff_ms", 500)])
+             for _ in range(a.callers + (1 if a.flood else 0))]
+    pending: list = []
+    next_call = time.monotonic()
+    print(json.dumps({"ready": True}), flush=True)
+    try:
+        while not stop.is_set() and time.monotonic() < end:
+            # raw connections (non-blocking): re-open the closed ones, each ``every`` s after it closed
+            now = time.monotonic()
+            for key, mask in sel.select(timeout=0):
+                i = key.data
+                s = socks[i]
+                pause = a.every
+                if state[i] == "connecting":
+                    if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        state[i] = "open"
+                        reconnects += 1
+                        try:   # an HTTP/2 client preface and an empty SETTINGS frame: a finished handshake
+                            s.send(PREFACE)
+                        except OSError:
+                            pass
+                        sel.modify(s, selectors.EVENT_READ, i)
+                        continue
+                    pause = 0.05   # the port is closed (between rounds): try again soon
+                else:
+                    try:
+                        if s.recv(4096) != b"":
+                            continue
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pass
+                sel.unregister(s)
+                s.close()
+                socks[i], state[i], retry[i] = None, "", now + pause
+            for i in range(a.hold):
+                if socks[i] is None and now >= retry[i]:
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s.bind((a.source, 0))
+                    s.setblocking(False)
+                    s.connect_ex((a.host, a.port))
+                    socks[i], state[i] = s, "connecting"
+                    sel.register(s, selectors.EVENT_WRITE, i)
+            most = max(most, sum(st == "open" for st in state))
+            # refused calls
+            now = time.monotonic()
+            if a.flood:
+                try:
+                    chans[-1].unary_unary(METHOD)(b"x", timeout=2)
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+                calls += 1
+                continue
+            if a.callers and now >= next_call:
+                next_call = now + a.every
+                for ch in chans:
+                    pending.append(ch.unary_unary(METHOD).future(b"x", timeout=5))
+                    calls += 1
+            for f in [f for f in pending if f.done()]:
+                pending.remove(f)
+                try:
+                    f.result()
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+            time.sleep(0.02)
+    finally:
+        for s in socks:
+            if s is not None:
+                s.close()
+        for ch in chans:
+            ch.close()
+    print(json.dumps({"most_held": most, "reconnects": reconnects, "calls": calls, "codes": dict(codes)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""The split stream's connection budget (issue 24), on 127.0.0.1 only.
+
+* an attacker process holds twice the server's connection cap open (raw TCP connections,
+  reconnected as the server closes them) and makes a token-less call every second on each
+  of 16 more connections, while 3 genuine nodes run 3 rounds of SCALA with one-round
+  sessions on a fixed port (every round re-binds it, under attack), the ServerApp's
+  descriptor limit set so that the attacker's connections alone would exhaust it: no node
+  is dropped and the results folder is complete;
+* 8 nodes with ``split-stream-session='round'`` and 8 with ``'run'``: none dropped;
+* the guard closes a connection that never authenticates, one whose call was refused, and
+  the oldest unauthenticated ones over the per-address budget, never a genuine session's;
+* 10,000 refusals with distinct node ids: the bookkeeping holds a fixed number of entries,
+  the log a bounded number of lines, and a later refusal of another reason is still logged;
+* the port of a stopped server can be bound again at once; a port held by someone else is a
+  clear error naming ``split-stream-port``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from flower_apps.client_app import dispatch
+from flower_apps.simulate import fused_run_config
+from split_layer import stream_guard
+from split_layer.stream import METHOD, NODE_HEADER, TOKEN_HEADER, StreamConfigError, StreamOptions, _Server
+from split_layer.stream_guard import LOG_PER_REASON, MAX_CALLERS, REASONS, RefusalLog
+from split_layer.transport import LocalGrid
+
+ATTACKER = Path(__file__).with_name("stream_attacker.py")
+BASE = ("algo='scala' model='cnn' norm='bn' dropout=0.5 partition='quantity' partition-classes-per-client=4 "
+        "seed=3 scala.local-iterations=3 scala.total-batch=40 lr=0.05 momentum=0.9 min-nodes=2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def warnings_of_flwr():
+    got: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    h = H(logging.WARNING)
+    logging.getLogger("flwr").addHandler(h)
+    try:
+        yield got
+    finally:
+        logging.getLogger("flwr").removeHandler(h)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def refused_call(address: str, metadata=()) -> grpc.StatusCode:
+    ch = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        ch.unary_unary(METHOD)(b"x", metadata=tuple(metadata), timeout=5)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+    finally:
+        ch.close()
+
+
+# --------------------------------------------------------------------------- the run under attack
+RUN_UNDER_LIMIT = """
+import json, logging, re, sys
+from flower_apps import server_app
+from flower_apps.client_app import dispatch
+from split_layer.stream import StreamOptions, _Server
+from split_layer.transport import LocalGrid
+cfg = json.loads(sys.argv[1])
+probe = _Server(StreamOptions(), [], expected=3)     # the cap a round of 3 sampled nodes gets here
+print(json.dumps({"cap": probe.capacity}), flush=True)
+probe.stop()
+sys.stdin.readline()                                 # the attacker is in place
+refused = []
+class Count(logging.Handler):
+    def emit(self, record):
+        m = re.search(r"(\\d+) refusal\\(s\\) in all: (.*?);", record.getMessage())
+        if m:
+            refused.append((int(m.group(1)), m.group(2)))
+logging.getLogger("flwr").addHandler(Count())
+grid = LocalGrid(3, dispatch, run_config=cfg, threaded=True)
+folder = server_app.run(grid, cfg, explicit=set())
+grid.join(30)
+print(json.dumps({"folder": str(folder), "refused": refused}), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the descriptor table")
+def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap(tmp_path):
+    """The ServerApp runs under ``ulimit -n 300`` (as the issue's did under 1024, where 1,100
+    held connections ended the run with EMFILE): the cap is what its descriptors allow, and
+    the attacker tries to hold twice that, from another loopback address, re-opening every
+    closed connection a second later, plus 16 connections with a token-less call a second."""
+    port = free_port()
+    cfg = {**fused_run_config([BASE]), "num-rounds": 3, "split-transport": "stream",
+           "split-stream-session": "round", "split-stream-port": port, "results-dir": str(tmp_path),
+           "run-name": "attacked", "round-timeout": 30.0, "scala.local-iterations": 40}
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    server = subprocess.Popen(["bash", "-c", f'ulimit -n 300 && exec "{sys.executable}" -c "$0" "$1"',
+                               RUN_UNDER_LIMIT, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env)
+    attacker, said = None, {}
+    try:
+        cap = json.loads(server.stdout.readline())["cap"]
+        assert 100 < cap < 300, cap
+        attacker = subprocess.Popen([sys.executable, str(ATTACKER), "127.0.0.1", str(port), "--source", "127.0.0.2",
+                                     "--hold", str(2 * cap), "--callers", "16", "--every", "1", "--seconds", "240"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(attacker.stdout.readline())["ready"]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        out, _ = server.communicate(timeout=400)
+        took = time.monotonic() - t0
+        assert server.returncode == 0, out
+    finally:
+        for name, p in (("server", server), ("attacker", attacker)):
+            if p is not None and p.poll() is None:
+                try:
+                    said[name] = p.communicate("", timeout=20)[0]
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+    report = json.loads(said["attacker"].strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    folder = Path(result["folder"])
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    print(f"\ncap {cap}; 3 rounds in {took:.1f} s under attack: {report}; round-seconds "
+          f"{[round(r['round-seconds'], 1) for r in rows]}; the server's refusals per round: {result['refused']}")
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert all(r["dropped"] == [] and r["participants"] == 3 for r in rows), rows
+    for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "partition.json"):
+        assert (folder / name).is_file(), name
+    # the attacker did attack: it made its calls and opened twice the cap's worth of connections
+    # again and again, and the server refused and closed them in every round
+    assert report["calls"] > 50 and report["reconnects"] > 4 * cap, report
+    assert len(result["refused"]) == 3 and all(n > cap for n, _ in result["refused"]), result["refused"]
+
+
+# --------------------------------------------------------------------------- sessions sized from the nodes
+@pytest.mark.parametrize("session", ["round", "run"])
+def test_eight_nodes_stream_without_a_drop(session):
+    from tests.test_split_sessions import run
+    s, grid, rows = run(rounds=2, session=session, nodes=8)
+    assert [r["participants"] for r in rows] == [8, 8]
+    assert all(r["dropped"] == [] for r in rows), [r["dropped"] for r in rows]
+
+
+def test_the_server_makes_room_for_the_expected_sessions():
+    for expected in (1, 4, 5, 40):
+        srv = _Server(StreamOptions(), [], expected=expected)
+        try:
+            assert srv.session_room >= 2 * expected and srv.capacity >= srv.session_room + stream_guard.UNAUTH_TOTAL
+        finally:
+            srv.stop()
+
+
+def test_too_few_descriptors_for_the_nodes_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("split_layer.stream.descriptor_room", lambda want, reserve=64: 20)
+    with pytest.raises(StreamConfigError, match="ulimit -n"):
+        _Server(StreamOptions(), [], expected=50)
+
+
+# --------------------------------------------------------------------------- the guard
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the descriptor table")
+def test_the_guard_closes_idle_refused_and_over_budget_connections_never_a_session(monkeypatch):
+    monkeypatch.setattr(stream_guard, "AUTH_DEADLINE_S", 1.0)
+    srv = _Server(StreamOptions(timeout=30.0), [5])
+    srv.guard.auth_deadline = 1.0
+    host, port = "127.0.0.1", srv.port
+    socks = []
+    try:
+        from split_layer.stream import StreamClient
+        genuine = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=30.0)
+        genuine.send({"step": 1}, {"act": np.zeros(2, np.float32)})
+        assert srv.events.get(timeout=5)[1] == "frame"
+        # over the per-address budget: the oldest go first
+        for _ in range(stream_guard.UNAUTH_PER_PEER + 4):
+            socks.append(socket.create_connection((host, port), timeout=5))
+            time.sleep(0.02)
+        time.sleep(0.8)
+        open_now = set(srv.guard.connections())
+        assert len(open_now) == stream_guard.UNAUTH_PER_PEER + 1, len(open_now)   # the budget + the session
+        # a refused call closes its connection; an idle one goes at the deadline
+        assert refused_call(srv.address) == grpc.StatusCode.UNAUTHENTICATED
+        time.sleep(2.0)
+        left = srv.guard.connections()
+        assert len(left) == 1, left     # the genuine session alone
+        assert srv.refusals.total["auth-deadline"] >= stream_guard.UNAUTH_PER_PEER
+        assert srv.refusals.total["peer-budget"] >= 4 and srv.refusals.total["no-credentials"] == 1
+        # the session still works
+        from split_layer.stream import encode
+        srv.send(5, encode({"step": 2}, {"g": np.ones(2, np.float32)}))
+        h, t = genuine.recv()
+        assert h["step"] == 2
+        genuine.close()
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def test_ten_thousand_refusals_with_distinct_node_ids_keep_the_bookkeeping_bounded(warnings_of_flwr):
+    srv = _Server(StreamOptions(timeout=30.0), [5])
+    try:
+        for i in range(10_000):
+            meta = ((NODE_HEADER, str(10_000 + i)), (TOKEN_HEADER, b"t" * 64))
+            node, reason, why = srv.authenticate(meta)
+            assert node is None and reason == "unknown-node"
+            srv.refuse(reason, why, f"ipv4:127.0.{i % 250}.{i % 7}:{20000 + i % 4000}")
+        # real calls too, each on its own connection
+        for _ in range(20):
+            assert refused_call(srv.address, [(NODE_HEADER, "77"), (TOKEN_HEADER, b"x")]) \
+                == grpc.StatusCode.UNAUTHENTICATED
+        assert srv.refusals.size <= 3 * len(REASONS) + MAX_CALLERS
+        assert sum(srv.refusals.total.values()) == 10_020
+        assert srv.refusals.other_callers > 0 and len(srv.refusals.callers) == MAX_CALLERS
+        assert sum("refused" in m for m in warnings_of_flwr) == LOG_PER_REASON
+        # a token thief after the flood is still logged
+        assert refused_call(srv.address, [(NODE_HEADER, "5"), (TOKEN_HEADER, b"wrong")]) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        assert any("wrong token for node 5" in m for m in warnings_of_flwr)
+        srv.refusals.tick(time.monotonic() + 61)   # the period ends: one summary line, bounded
+        line = warnings_of_flwr[-1]
+        assert "unknown-node 10020" in line and len(line) < 400, line
+    finally:
+        srv.stop()
+    assert "in all" in warnings_of_flwr[-1] and len(warnings_of_flwr[-1]) < 400
+
+
+def test_refusal_log_counts_only_known_reasons():
+    log = RefusalLog()
+    with pytest.raises(ValueError, match="unknown refusal reason"):
+        log.add("whatever the caller sent")
+
+
+@pytest.mark.parametrize("peer, key", [
+    ("ipv4:127.0.0.1:5000", ("127.0.0.1", 5000)),
+    ("ipv6:[::1]:5000", ("::1", 5000)),
+    ("ipv6:%5B::1%5D:5000", ("::1", 5000)),
+    ("ipv6:[::ffff:10.1.2.3]:7", ("10.1.2.3", 7)),
+    ("unix:/tmp/x", None),
+    ("", None),
+])
+def test_peer_strings_name_the_connection(peer, key):
+    assert stream_guard.peer_key(peer) == key
+
+
+# --------------------------------------------------------------------------- the port
+def test_a_stopped_servers_fixed_port_is_bound_again_at_once():
+    port = free_port()
+    for _ in range(3):
+        srv = _Server(StreamOptions(port=port), [1])
+        assert srv.port == port
+        srv.stop()
+
+
+def test_a_port_held_by_another_program_is_an_error_naming_the_key(monkeypatch):
+    from split_layer import stream
+    monkeypatch.setattr(stream, "BIND_RETRY_S", 0.3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(StreamConfigError, match=f"split-stream-port={port}.*in use"):
+            _Server(StreamOptions(port=port), [1])
+
+
+def test_a_flood_of_refused_calls_does_not_stop_a_session_in_flight():
+    """Calls refused while a genuine session streams: it keeps streaming."""
+    from split_layer.stream import StreamClient, decode, encode
+    srv = _Server(StreamOptions(timeout=30.0), [5])
+    stop = threading.Event()
+    codes = []
+
+    def flood():
+        while not stop.is_set():
+            codes.append(refused_call(srv.address))
+
+    th = threading.Thread(target=flood, daemon=True)
+    try:
+        c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=30.0)
+        th.start()
+        for step in range(1, 30):
+            c.send({"step": step}, {"a": np.full(3, step, np.float32)})
+            node, kind, payload = srv.events.get(timeout=10)
+            h, t = payload if isinstance(payload, tuple) else decode(payload)
+            assert (node, kind, h["step"]) == (5, "frame", step)
+            srv.send(5, encode({"step": step + 1}, {"g": t["a"]}))
+            h2, t2 = c.recv()
+            np.testing.assert_array_equal(t2["g"], np.full(3, step))
+            time.sleep(0.03)
+        c.close()
+    finally:
+        stop.set()
+        th.join(10)
+        srv.stop()
+    assert len(codes) > 10 and set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
