@@ -126,7 +126,10 @@ class RunFolder:
 
     # ---------------------------------------------------------------- writing
     def start(self, config: dict[str, Any], *, resume: bool) -> int:
-        """Prepare the folder; return the last completed round (0 for a fresh run)."""
+        """Prepare the folder; return the last completed round (0 for a fresh run). A run folder
+        that is a symbolic link, or that holds one in place of a results file, is refused:
+        results go where the run config says, never through a link to somewhere else."""
+        self.check_no_links()
         cfg_path = self.path / CONFIG
         if resume:
             if not cfg_path.exists():
@@ -147,12 +150,24 @@ class RunFolder:
         atomic_write_bytes(cfg_path, json.dumps(config, indent=2, sort_keys=True).encode())
         return 0
 
+    def check_no_links(self) -> None:
+        if self.path.is_symlink():
+            raise ValueError(
+                f"run folder {self.path} is a symbolic link (to {os.readlink(self.path)}); results are written only "
+                f"into a real folder: remove the link, or point results-dir at the folder you want")
+        for name in (CONFIG, METRICS, CHECKPOINT, "model.pt", "curves.png", "partition.json"):
+            if (self.path / name).is_symlink():
+                raise ValueError(f"{self.path / name} is a symbolic link; results are written only into real "
+                                 f"files: remove it, or choose another run-name")
+
     def write_json(self, name: str, obj: Any) -> None:
         atomic_write_bytes(self.path / name, json.dumps(obj, indent=2, default=_json_default).encode())
 
     def append_metrics(self, rnd: int, metrics: dict[str, Any]) -> None:
         row = {"round": rnd, **metrics}
-        with open(self.path / METRICS, "a", encoding="utf-8") as fh:
+        fd = os.open(self.path / METRICS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                     0o644)   # never through a link planted after the start
+        with os.fdopen(fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, default=_json_default) + "\n")
             fh.flush()
             os.fsync(fh.fileno())

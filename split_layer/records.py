@@ -9,6 +9,10 @@
   ``query.<action>`` (Flower's own routing, ``@app.query("<action>")``). The library names
   its actions with hyphens (``split-info``); on the wire they are identifiers
   (``query.split_info``): :func:`message_type` and :func:`action_of` convert.
+* Consent: :func:`label_consent`, the node's own decision whether metrics computed from
+  its labels may leave it (node config ``share-label-metrics``), and
+  :func:`withhold_label_metrics`, which every reply passes through
+  (:meth:`strategies.registry.AlgorithmSpec.handle`).
 * The node side: :func:`node_partition` (node config), :func:`node_info` (the one
   partition-id query, ``query.node_info``) and :func:`client_env`, the node's
   :class:`tasks.env.Env`: the user's model and data inside :func:`node_source`
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -33,6 +38,10 @@ ALGO_KEY = "algo"        # ConfigRecord: the flat algorithm config
 CONFIG_KEY = "config"    # ConfigRecord: per-message values (server-round, algo, ...)
 ARRAYS_KEY = "arrays"    # ArrayRecord: model weights
 METRICS_KEY = "metrics"  # MetricRecord: reply metrics
+
+# node config: may this node report metrics computed from its labels? (off by default)
+LABEL_CONSENT_KEY = "share-label-metrics"
+LABEL_CONSENT_ENV = "FLOWER_SSL_SHARE_LABEL_METRICS"   # the same decision where a node has no node config
 
 NODE_INFO = "node-info"  # the query every node answers (see node_info)
 # actions that ask a node about itself (no user config, node state not saved) and actions that
@@ -109,6 +118,28 @@ def algo_config(source: Message | dict[str, Any], cls: type):
     dict): the client parses what the server sent into the same dataclass, with the same checks."""
     flat = algo_record(source) if isinstance(source, Message) else dict(source)
     return parse_dataclass(cls, flat, strict=False)
+
+
+# --------------------------------------------------------------------------- consent
+def label_consent(node_config: Any) -> bool:
+    """The node's own decision, off by default, whether anything it computes from its labels
+    (pseudo-label accuracy, error counts, per-class counts) may leave it: node config
+    ``share-label-metrics``, else the environment variable ``FLOWER_SSL_SHARE_LABEL_METRICS``
+    of its ClientApp process (Flower's simulation gives nodes no node config of their own)."""
+    v = node_config.get(LABEL_CONSENT_KEY, os.environ.get(LABEL_CONSENT_ENV, "false"))
+    return v is True or str(v).strip().lower() in ("true", "1", "yes")
+
+
+def withhold_label_metrics(reply: Message, names: tuple[str, ...] | frozenset[str], context: Context) -> Message:
+    """``reply`` without the metrics ``names`` (those an algorithm computes from a node's
+    labels) unless the node consents (:func:`label_consent`); the server then records them
+    as not reported. Every reply of every algorithm passes here."""
+    if not names or reply.has_error() or label_consent(context.node_config):
+        return reply
+    for rec in reply.content.metric_records.values():
+        for k in [k for k in rec.keys() if k in names]:
+            del rec[k]
+    return reply
 
 
 # --------------------------------------------------------------------------- the node side

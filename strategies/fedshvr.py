@@ -355,6 +355,7 @@ class FedSHVRStrategy(SSLStrategy):
             vals = [(wi, float(m[key])) for wi, m in zip(w, mets) if key in m and math.isfinite(float(m[key]))]
             if vals:
                 out[key] = float(sum(a * b for a, b in vals) / sum(a for a, _ in vals))
+        out["label-metrics-nodes"] = sum("pl-acc" in m for m in mets)   # consenting nodes (records.label_consent)
         out["vr-reset"] = int(sum(int(m.get("vr-reset", 0)) for m in mets))
         out["vr-applied"] = int(sum(int(m.get("vr-applied", 0)) for m in mets))
         return self.global_arrays(), MetricRecord(out)
@@ -448,7 +449,8 @@ def _spec(name: str, description: str, **overrides: Any) -> AlgorithmSpec:
     return AlgorithmSpec(name=name, paper="Wang et al. 2021 (Fed-SHVR)", strategy_cls=FedSHVRStrategy,
                          config_cls=FedSHVRConfig, namespace=NAMESPACE, overrides=overrides,
                          client={"train": client_train}, description=description,
-                         node_state=(STATE_CARRY, STATE_PREV, STATE_INFO))
+                         node_state=(STATE_CARRY, STATE_PREV, STATE_INFO),
+                         label_metrics=("pl-acc", "pl-acc-unseen"))   # (from the node's hidden labels)
 
 
 ALGORITHMS = bind({

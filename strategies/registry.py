@@ -51,6 +51,9 @@ class AlgorithmSpec:
     overrides: dict[str, Any] = field(default_factory=dict)  # fixed switch values of a variant
     client: dict[str, ClientHandler] = field(default_factory=dict)  # op -> handler
     node_state: tuple[str, ...] = ()     # context.state keys kept from round to round (strategies.node_state)
+    # reply metrics computed from a node's labels: sent only with the node's consent
+    # (split_layer.records.label_consent); without it the server records them as not reported
+    label_metrics: tuple[str, ...] = ()
     status: str = "implemented"
     description: str = ""
 
@@ -65,13 +68,15 @@ class AlgorithmSpec:
         (Flower's message type: ``train``, ``evaluate``, ``query.<action>``; ``action``
         overrides it), the ``node-info`` query of every algorithm, the algorithm's
         round-to-round node state restored before and saved after
-        (:mod:`strategies.node_state`)."""
+        (:mod:`strategies.node_state`), and no metric of :attr:`label_metrics` in the reply
+        without the node's consent."""
         from split_layer.records import (
             EVAL_ACTIONS,
             INFO_ACTIONS,
             NODE_INFO,
             action_of,
             node_info,
+            withhold_label_metrics,
         )
 
         from . import node_state
@@ -83,8 +88,9 @@ class AlgorithmSpec:
         if handler is None:
             raise ValueError(f"algorithm '{self.name}' has no client handler for action '{action}'; it has: "
                              f"{', '.join(sorted(self.client)) or 'none'}")
-        return node_state.handle(handler, msg, context, self.node_state,
-                                 persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+        reply = node_state.handle(handler, msg, context, self.node_state,
+                                  persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+        return withhold_label_metrics(reply, self.label_metrics, context)
 
     @property
     def actions(self) -> list[str]:

@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -97,7 +96,7 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord
 
 from split_layer.cut import bottom_state, load_bottom_state, resolve_cut, split_model
-from split_layer.records import algo_config, model_to_record, numpy_to_record
+from split_layer.records import algo_config, label_consent, model_to_record, numpy_to_record
 from split_layer.runtime import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.validation import TensorSpec
@@ -127,8 +126,6 @@ from .registry import AlgorithmSpec, bind
 NAMESPACE = "semisfl"
 STUDENT, TEACHER, HIDDEN_LABELS = "student", "teacher", "hidden-labels"  # payload stream names
 PSEUDO_LABELS, PSEUDO_MASK = "pseudo-labels", "pseudo-mask"   # sent down with the gradients (metrics)
-CONSENT_KEY = "share-label-metrics"   # node config: may this node report pseudo-label error counts?
-CONSENT_ENV = "FLOWER_SSL_SHARE_LABEL_METRICS"   # the same decision where a node has no node config
 PL_COUNTS = ("pl-samples", "pl-wrong", "pl-confident", "pl-wrong-confident")
 
 
@@ -727,20 +724,12 @@ class SemiSFLClientHooks(SplitClientHooks):
             out[TEACHER] = teacher(aug.weak(xb))
         return out  # features only: the true labels ``yb`` never leave the node
 
-    @staticmethod
-    def consents(w: Worker) -> bool:
-        """The node's own decision, off by default: node config ``share-label-metrics``, else the
-        environment variable ``FLOWER_SSL_SHARE_LABEL_METRICS`` of the node's ClientApp process
-        (Flower's simulation gives nodes no node config of their own)."""
-        v = w.node_config.get(CONSENT_KEY, os.environ.get(CONSENT_ENV, "false"))
-        return v is True or str(v).strip().lower() in ("true", "1", "yes")
-
     def feedback(self, w: Worker, step: int, tensors: dict[str, np.ndarray], labels: np.ndarray
                  ) -> dict[str, np.ndarray]:
         """Take the server's pseudo-labels/mask of ``step`` out of the gradients; a consenting
         node adds up how many were wrong (its labels stay here, only counts are reported)."""
         yhat, mask = tensors.pop(PSEUDO_LABELS, None), tensors.pop(PSEUDO_MASK, None)
-        if yhat is None or mask is None or not self.consents(w):
+        if yhat is None or mask is None or not label_consent(w.node_config):
             return tensors
         y = np.asarray(labels).reshape(-1).astype(np.int64)
         yhat, mask = np.asarray(yhat).reshape(-1).astype(np.int64), np.asarray(mask).reshape(-1) > 0
@@ -754,7 +743,7 @@ class SemiSFLClientHooks(SplitClientHooks):
         return tensors
 
     def end(self, w: Worker) -> Envelope:
-        if STATE_PL in w.state and self.consents(w):
+        if STATE_PL in w.state and label_consent(w.node_config):
             return Envelope(metrics={k: float(w.state[STATE_PL][k]) for k in PL_COUNTS})
         return Envelope()
 
@@ -771,16 +760,17 @@ ALGORITHMS = bind({
     "semisfl": AlgorithmSpec(
         name="semisfl", paper="Sun et al., Semi-SFL (clustering regularization + adaptive K_s)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
+        label_metrics=PL_COUNTS,
         description="split FL, labels on the server only: H_s+T, H_u+C, EMA teacher, adaptive K_s"),
     "semisfl-no-cluster": AlgorithmSpec(
         name="semisfl-no-cluster", paper="Semi-SFL ablation (FedSwitch-SL style, spec §7)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
-        overrides={"clustering": False, "supcon": False, "adaptive_ks": False},
+        label_metrics=PL_COUNTS, overrides={"clustering": False, "supcon": False, "adaptive_ks": False},
         description="l_u = H_u, l_s = H_s, fixed K_s"),
     "semisfl-fixed-ks": AlgorithmSpec(
         name="semisfl-fixed-ks", paper="Semi-SFL ablation (w/o K_s adaptation)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
-        overrides={"adaptive_ks": False}, description="Semi-SFL with a constant K_s"),
+        label_metrics=PL_COUNTS, overrides={"adaptive_ks": False}, description="Semi-SFL with a constant K_s"),
 })
 
 

@@ -196,6 +196,10 @@ def user_loss(model: torch.nn.Module, x_weak: torch.Tensor, x_strong: torch.Tens
     return loss, mask, probs.argmax(dim=1)
 
 
+# reply metrics computed from a node's labels or its pseudo-labels' classes: sent with consent only
+LABEL_METRICS = ("pseudo-correct", "pseudo-hist")
+
+
 def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: int, batch_size: int,
                     optimizer: torch.optim.Optimizer, device: torch.device, seed: int, tau: float,
                     kind: str = "crl", lr_fn: Callable[[int], float] | None = None) -> dict[str, float]:
@@ -366,17 +370,20 @@ class SSFLStrategy(SSLStrategy):
         n_ex = np.array([m["num-examples"] for m in mets])
         out["train-loss"] = float(np.average([m["train-loss"] for m in mets], weights=n_ex))
         out["mask-rate"] = float(sum(m["pseudo-kept"] for m in mets) / max(n_ex.sum(), 1.0))
-        kept = sum(m["pseudo-kept"] for m in mets)
+        # label-derived metrics come from the users that consented (records.label_consent); a
+        # metric no user reported is left out (not reported), never 0
+        told = [m for m in mets if "pseudo-correct" in m or "pseudo-hist" in m]
+        out["label-metrics-nodes"] = len(told)
+        kept = sum(m["pseudo-kept"] for m in told if "pseudo-correct" in m)
         if kept > 0:
-            if all("pseudo-correct" in m for m in mets):
-                out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in mets) / kept
-            hists = [np.asarray(m.get("pseudo-hist", []), dtype=np.float64) for m in mets]
-            size = max((len(h) for h in hists), default=0)
-            if size:
-                total = sum(np.pad(h, (0, size - len(h))) for h in hists)
-                # which class the users' confident pseudo-labels go to: a collapse shows as share -> 1
-                out["pseudo-main-class"] = int(np.argmax(total))
-                out["pseudo-main-share"] = float(total.max() / total.sum())
+            out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in told if "pseudo-correct" in m) / kept
+        hists = [np.asarray(m.get("pseudo-hist", []), dtype=np.float64) for m in told]
+        size = max((len(h) for h in hists), default=0)
+        if size and sum(h.sum() for h in hists) > 0:
+            total = sum(np.pad(h, (0, size - len(h))) for h in hists)
+            # which class the users' confident pseudo-labels go to: a collapse shows as share -> 1
+            out["pseudo-main-class"] = int(np.argmax(total))
+            out["pseudo-main-share"] = float(total.max() / total.sum())
         out["server-train-loss"] = srv["train-loss"]
         out["lr"] = float(lr_fn(self.period - 1))
         out["period"] = self.period
@@ -422,11 +429,12 @@ _CLIENT = {"train": client_train}
 ALGORITHMS = bind({
     "ssfl": AlgorithmSpec(
         name="ssfl", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
-        client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
+        client=_CLIENT, node_state=(LOCAL_STATE_KEY,), label_metrics=LABEL_METRICS,
         description="labels on the server, CRL (FixMatch) users, averaging incl. the server; ssfl.groups=S for Eq. 6"),
     "ssfl-selftrain": AlgorithmSpec(
         name="ssfl-selftrain", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
         overrides={"user_loss": "self-training"}, client=_CLIENT, node_state=(LOCAL_STATE_KEY,),
+        label_metrics=LABEL_METRICS,
         description="SSFL with the traditional self-training loss (Eq. 3) on users (paper: with norm='bn')"),
 })
 

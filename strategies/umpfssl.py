@@ -684,6 +684,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         out["participants"] = len(replies)
         slots = sum(len(lists[n]) for n in nodes if n in selected) or 1
         out.update({"helper-swaps": swaps, "helper-churn": swaps / slots, "pool-archive-size": len(self.archive)})
+        out["label-metrics-nodes"] = sum("pseudo-label-accuracy" in m for m in mets)  # (records.label_consent)
         for key in ("train-loss", "pseudo-label-accuracy", "pseudo-label-from-self", "mu", "self-weight",
                     "corr-self"):
             vals = [float(m[key]) for m in mets if key in m]
@@ -713,7 +714,8 @@ def _spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: 
     """A spec of this module or of :mod:`strategies.fixmatch_baselines` (one config, ``mode`` fixed)."""
     return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
                          strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
-                         overrides={"mode": mode}, client=dict(client), description=desc, node_state=node_state)
+                         overrides={"mode": mode}, client=dict(client), description=desc, node_state=node_state,
+                         label_metrics=("pseudo-label-accuracy",))   # (from the node's hidden labels)
 
 
 ALGORITHMS = bind({

@@ -85,3 +85,28 @@ def test_a_bad_checkpoint_is_a_clear_error_runs_nothing_and_overwrites_nothing(t
     assert not marker.exists()   # no code ran
     assert {q.name: q.read_bytes() for q in f.path.iterdir()} == before   # metrics, config, checkpoint as they were
     assert json.loads((f.path / "metrics.jsonl").read_text())["round"] == 1
+
+
+def test_a_run_folder_that_is_a_symbolic_link_is_refused(tmp_path):
+    """Results go where the run config says (issue 24), never through a link elsewhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match="is a symbolic link.*remove the link"):
+        RunFolder(tmp_path / "results" / "run").start(CONFIG, resume=False)
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_results_file_that_is_a_symbolic_link_is_refused(tmp_path, resume):
+    f = _folder(tmp_path, {"w": torch.zeros(2)})
+    target = tmp_path / "victim.txt"
+    target.write_text("keep me\n")
+    (f.path / "metrics.jsonl").unlink()
+    (f.path / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(ValueError, match="metrics.jsonl is a symbolic link"):
+        RunFolder(f.path).start(CONFIG, resume=resume)
+    with pytest.raises(OSError):   # and a link planted after the start is not followed either
+        f.append_metrics(2, {"accuracy": 0.6})
+    assert target.read_text() == "keep me\n"

@@ -1,0 +1,83 @@
+"""One consent mechanism for everything a node computes from its labels (issue 24).
+
+Every registered algorithm runs one tiny round through the library's ClientApp: without the
+node's consent (the default) no reply carries a metric that any algorithm declares
+label-derived (``AlgorithmSpec.label_metrics``), and the server reports such a metric as
+not reported (absent, with ``label-metrics-nodes`` 0 where the algorithm counts them), not
+as 0; with node config ``share-label-metrics=true`` the algorithms that compute them send them.
+"""
+from __future__ import annotations
+
+import pytest
+
+from flower_apps.client_app import dispatch
+from flower_apps.config import parse_run_config
+from split_layer.records import LABEL_CONSENT_ENV, LABEL_CONSENT_KEY, label_consent
+from split_layer.rounds import RoundPolicy
+from split_layer.transport import LocalGrid
+from strategies.registry import algorithm_names, get_algorithm
+from tests.test_conformance import config
+
+ALGOS = algorithm_names()
+LABEL_DERIVED = frozenset(k for a in ALGOS for k in get_algorithm(a).label_metrics)
+# what the servers make of them
+SERVER_SIDE = {"impurity", "pseudo-label-accuracy", "pl-acc", "pl-acc-unseen", "pseudo-main-class",
+               "pseudo-main-share"}
+WITH_LABEL_METRICS = [a for a in ALGOS if get_algorithm(a).label_metrics]
+
+
+def one_round(algo: str, node_config: dict | None = None):
+    cfg = config(algo)
+    p = parse_run_config(cfg)
+    replies = []
+
+    def spy(msg, context):
+        r = dispatch(msg, context)
+        replies.append(r)
+        return r
+
+    grid = LocalGrid(3, spy, run_config=cfg, node_config=node_config)
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60))
+    rows: list[dict] = []
+    s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
+    keys = set()
+    for r in replies:
+        assert not r.has_error(), r.error
+        for rec in r.content.metric_records.values():
+            keys |= set(rec.keys())
+    return rows, keys
+
+
+def test_the_algorithms_that_compute_label_metrics_declare_them():
+    assert {"ssfl", "fedshvr", "umpfssl", "semisfl", "fixavg"} <= set(WITH_LABEL_METRICS)
+    assert {"pseudo-correct", "pseudo-hist", "pl-acc", "pl-acc-unseen", "pseudo-label-accuracy",
+            "pl-wrong"} <= LABEL_DERIVED
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_without_consent_no_reply_carries_a_label_derived_metric(algo, monkeypatch):
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
+    rows, keys = one_round(algo)
+    assert not keys & LABEL_DERIVED, keys & LABEL_DERIVED
+    (m,) = rows
+    assert not set(m) & SERVER_SIDE, set(m) & SERVER_SIDE    # not reported, not 0
+    if "label-metrics-nodes" in m:
+        assert m["label-metrics-nodes"] == 0
+
+
+@pytest.mark.parametrize("algo", ["ssfl", "fedshvr", "umpfssl", "fixavg"])
+def test_with_consent_the_node_reports_them(algo, monkeypatch):
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
+    rows, keys = one_round(algo, node_config={LABEL_CONSENT_KEY: True})
+    assert keys & set(get_algorithm(algo).label_metrics), keys
+    (m,) = rows
+    if algo != "fixavg":   # (FixAvg's server does not aggregate its nodes' pseudo-label accuracy)
+        assert m["label-metrics-nodes"] == 3, m
+
+
+def test_consent_is_the_nodes_own_decision(monkeypatch):
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
+    assert not label_consent({}) and not label_consent({LABEL_CONSENT_KEY: "false"})
+    assert label_consent({LABEL_CONSENT_KEY: True}) and label_consent({LABEL_CONSENT_KEY: "yes"})
+    monkeypatch.setenv(LABEL_CONSENT_ENV, "1")   # a simulated node's ClientApp environment
+    assert label_consent({}) and not label_consent({LABEL_CONSENT_KEY: False})
