@@ -124,6 +124,8 @@ DEFAULT_MAX_FRAME = 64 * 2 ** 20  # a transport whose owner declares no stream s
 FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout),
 FIRST_FRAME_RATE = 128 * 1024     # ... plus the time to send the largest frame at 1 Mbit/s
 MAX_STREAMS_PER_CONNECTION = 4    # a genuine client uses one stream per connection
+TARPIT_S = 1.0                    # a banned address's refused call is held at most this long
+TARPIT_CALLS = 16                 # ... and at most this many at once
 BIND_RETRY_S = 5.0                # a fixed port still held is retried this long
 STOP_WAIT_S = 10.0                # a stopping server is waited for this long (its port is then free)
 # keepalive: the client pings every 30 s (also while it computes and sends nothing); the server
@@ -434,6 +436,7 @@ class _Server:
         self.max_frame = int(max_frame)
         self.first_frame_s = min(float(opts.timeout), FIRST_FRAME_S + self.max_frame / FIRST_FRAME_RATE)
         self.refusals = RefusalLog()
+        self._tarpit = threading.BoundedSemaphore(TARPIT_CALLS)
         self._dummy = secrets.token_hex(32).encode()  # compared against for unknown nodes (same timing)
         # The connection budget (split_layer.stream_guard): room for the expected sessions, twice
         # over (nodes that join later), and for UNAUTH_TOTAL connections not yet authenticated;
@@ -454,8 +457,9 @@ class _Server:
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
             "Exchange": grpc.stream_stream_rpc_method_handler(self._exchange)})
         # Genuine streams hold one worker each (one per node); refusals take one briefly and
-        # never read the network, so a few spare workers serve them all. Threads are made as needed.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.session_room + 32,
+        # never read the network (a banned address's are held briefly, at most TARPIT_CALLS), so a
+        # few spare workers serve them all. Threads are made as needed.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.session_room + TARPIT_CALLS + 32,
                                                              thread_name_prefix="split-stream"),
                                   handlers=[handler], interceptors=[_AuthInterceptor(self)],
                                   options=_grpc_options(self.max_frame) + _KEEPALIVE_SERVER
@@ -546,7 +550,19 @@ class _Server:
 
     def _refusal(self, reason: str, why: str):
         def refuse(request_iterator, context):  # never reads a frame
-            self.refuse(reason, why, context.peer())
+            peer = context.peer()
+            self.refuse(reason, why, peer)
+            # a flooder's call is held until the guard cuts its connection (within FAST_SWEEP_S; at
+            # most TARPIT_S), so that it cannot make the next one at once: its calls then cost this
+            # process a connection each instead of gRPC's ~0.2 ms of a core per call. At most
+            # TARPIT_CALLS are held at once, so the workers genuine sessions need stay free.
+            if self.guard.is_banned(peer) and self._tarpit.acquire(blocking=False):
+                try:
+                    deadline = time.monotonic() + TARPIT_S
+                    while context.is_active() and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                finally:
+                    self._tarpit.release()
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"split stream: {why}")
         return grpc.stream_stream_rpc_method_handler(refuse)
 

@@ -19,6 +19,13 @@ number of connections or the descriptors they take. This module adds the budget:
 * **A refused call closes its connection** (after :data:`REFUSED_GRACE_S`, so that the
   refusal's status still reaches the caller): a peer that wants to keep trying must pay
   for a new connection every time.
+* **A flooding address is banned**: one refused more than :data:`FLOOD_CALLS` times within
+  :data:`FLOOD_WINDOW_S` has every unauthenticated connection closed as soon as the guard
+  sees it (every :data:`FAST_SWEEP_S` while a ban lasts), for :data:`BAN_S`. gRPC answers
+  each call in Python (about 0.2 ms of a core here, whatever the answer), so a flood can
+  only be made cheap by cutting the connections that carry it. Sessions that are open go
+  on; a genuine node behind the same address (a shared NAT) may not start a new session
+  until the ban ends.
 * **Unauthenticated connections are budgeted** per peer address
   (:data:`UNAUTH_PER_PEER`) and in all (:data:`UNAUTH_TOTAL`); over the budget the oldest
   are closed first (a genuine node authenticates within milliseconds of connecting, so the
@@ -52,13 +59,18 @@ from flwr.common import log
 __all__ = ["RefusalLog", "ConnectionGuard", "descriptor_room", "REASONS"]
 
 AUTH_DEADLINE_S = 10.0     # a connection authenticates within this (from its first sighting)
-REFUSED_GRACE_S = 0.2      # a refused call's status reaches the caller before its connection closes
+REFUSED_GRACE_S = 0.05     # a refused call's status reaches the caller before its connection closes
 YOUNG_S = 0.5              # a connection this new is not closed for the budgets (a genuine node's call is on its way)
 UNAUTH_PER_PEER = 8        # unauthenticated connections one peer address may hold
 UNAUTH_TOTAL = 64          # unauthenticated connections every peer together may hold
 FD_RESERVE = 64            # descriptors kept free for the ServerApp's own files
 MIN_CAP = 1024             # the hard cap on open connections, unless the descriptor limit allows fewer
 SWEEP_S = 0.25             # how often the guard looks at the connections
+FAST_SWEEP_S = 0.01        # ... while an address is banned
+FLOOD_CALLS = 200          # refusals from one address within FLOOD_WINDOW_S that make it a flooder
+FLOOD_WINDOW_S = 2.0
+BAN_S = 30.0               # a flooder's unauthenticated connections are closed at once for this long
+MAX_WATCHED = 1024         # addresses whose recent refusals are counted (the least recent are forgotten)
 SUMMARY_S = 60.0           # a refusal summary at most this often
 LOG_PER_REASON = 3         # refusals logged one by one per reason and period
 MAX_CALLERS = 16           # caller addresses counted one by one (the rest: "others")
@@ -75,6 +87,7 @@ REASONS = {
     "after-refusal": "connection closed after a refused call",
     "peer-budget": f"more than {UNAUTH_PER_PEER} unauthenticated connections from one address",
     "total-budget": f"more than {UNAUTH_TOTAL} unauthenticated connections in all",
+    "banned": f"an address refused more than {FLOOD_CALLS} times in {FLOOD_WINDOW_S:.0f} s (banned for {BAN_S:.0f} s)",
 }
 
 
@@ -224,7 +237,10 @@ class ConnectionGuard:
         self._authed: collections.Counter = collections.Counter()   # (host, port) -> live genuine calls
         self._refused: dict[tuple[str, int], float] = {}             # (host, port) -> when refused
         self._seen: dict[tuple[str, int], float] = {}                # (host, port) -> first sighting
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # host -> (window start, refusals)
+        self._banned: dict[str, float] = {}                          # host -> ban ends
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.fd_dir = _fd_dir()
         self.closed = 0
@@ -247,8 +263,25 @@ class ConnectionGuard:
     def refused(self, peer: str) -> None:
         key = peer_key(peer)
         if key is not None:
+            now = time.monotonic()
             with self._lock:
-                self._refused.setdefault(key, time.monotonic())
+                self._refused.setdefault(key, now)
+                start, n = self._recent.pop(key[0], (now, 0))
+                if now - start > FLOOD_WINDOW_S:
+                    start, n = now, 0
+                self._recent[key[0]] = (start, n + 1)
+                if len(self._recent) > MAX_WATCHED:
+                    self._recent.popitem(last=False)
+                ban = n + 1 > FLOOD_CALLS and key[0] not in self._banned
+                if ban:
+                    self._banned[key[0]] = now + BAN_S
+            if ban:
+                self.refusals.add("banned", f"{key[0]}: {REASONS['banned']}", addr=key[0])
+            self._wake.set()   # closed within REFUSED_GRACE_S, not at the next regular sweep
+
+    def is_banned(self, peer: str) -> bool:
+        key = peer_key(peer)
+        return key is not None and key[0] in self._banned
 
     # ------------------------------------------------------------------ the sweep
     def connections(self) -> dict[tuple[str, int], int]:
@@ -300,9 +333,13 @@ class ConnectionGuard:
             for key, t in self._refused.items():
                 if now - t >= REFUSED_GRACE_S:
                     close[key] = "after-refusal"
+            for host in [h for h, t in self._banned.items() if t <= now]:
+                del self._banned[host]
             waiting = [k for k in conns if k not in self._authed and k not in close]
             for key in waiting:
-                if now - self._seen[key] > self.auth_deadline:
+                if key[0] in self._banned:
+                    close[key] = "banned"
+                elif now - self._seen[key] > self.auth_deadline:
                     close[key] = "auth-deadline"
             waiting = sorted((k for k in waiting if k not in close and now - self._seen[k] >= YOUNG_S),
                              key=lambda k: self._seen[k], reverse=True)
@@ -322,7 +359,7 @@ class ConnectionGuard:
                 self.closed += 1
                 with self._lock:
                     self._refused.pop(key, None)
-                if reason != "after-refusal":   # (that call was counted when it was refused)
+                if reason not in ("after-refusal", "banned"):   # (counted when refused, or banned)
                     self.refusals.add(reason, f"{REASONS[reason]}: closed", f"{key[0]} port {key[1]}", addr=key[0])
                 done.append((key, reason))
         return done
@@ -350,7 +387,14 @@ class ConnectionGuard:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(SWEEP_S):
+        while not self._stop.is_set():
+            if self._banned:   # every FAST_SWEEP_S, whatever refusals come in meanwhile
+                self._stop.wait(FAST_SWEEP_S)
+            elif self._wake.wait(SWEEP_S):
+                time.sleep(REFUSED_GRACE_S)   # a refused call: its status first, then its connection goes
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 if self.fd_dir is not None:
                     self.sweep()
@@ -360,5 +404,6 @@ class ConnectionGuard:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(5)

@@ -10,8 +10,8 @@ limit does not close it, and then nothing), re-opening each one the server close
 between rounds, at once);
 ``--callers M``: M gRPC channels, each on a connection of its own, that make one call
 without a token every ``--every`` seconds (the call is refused; the channel reconnects
-if the server closed its connection). ``--flood``: token-less calls as fast as one
-channel can make them. Stops after ``--seconds`` or when its standard input closes, and
+if the server closed its connection). ``--flood``: token-less calls as fast as ``--callers``
+threads (at least one), each with a channel of its own, can make them. Stops after ``--seconds`` or when its standard input closes, and
 prints one JSON line: the most connections it held at once, calls made, status codes seen.
 
 Only loopback addresses are accepted: this is a test tool for a server on this machine.
@@ -48,7 +48,8 @@ def main() -> None:
     if not (ipaddress.ip_address(a.host).is_loopback and ipaddress.ip_address(a.source).is_loopback):
         raise SystemExit(f"{a.host} is not a loopback address; this tool attacks loopback only")
     stop = threading.Event()
-    end = time.monotonic() + min(a.seconds, 600.0)
+    t_start = time.monotonic()
+    end = t_start + min(a.seconds, 600.0)
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     codes: Counter = Counter()
     calls = 0
@@ -61,7 +62,24 @@ def main() -> None:
     chans = [grpc.insecure_channel(f"{a.host}:{a.port}", options=[("grpc.use_local_subchannel_pool", 1),
                                                                   ("grpc.initial_reconnect_backoff_ms", 100),
                                                                   ("grpc.max_reconnect_backoff_ms", 500)])
-             for _ in range(a.callers + (1 if a.flood else 0))]
+             for _ in range(max(a.callers, 1 if a.flood else 0))]
+    lock = threading.Lock()
+
+    def flood(ch) -> None:
+        nonlocal calls
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                ch.unary_unary(METHOD)(b"x", timeout=2)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                codes[code] += 1
+                calls += 1
+
+    flooders = [threading.Thread(target=flood, args=(ch,), daemon=True) for ch in chans] if a.flood else []
+    for t in flooders:
+        t.start()
     pending: list = []
     next_call = time.monotonic()
     print(json.dumps({"ready": True}), flush=True)
@@ -106,14 +124,7 @@ def main() -> None:
             most = max(most, sum(st == "open" for st in state))
             # refused calls
             now = time.monotonic()
-            if a.flood:
-                try:
-                    chans[-1].unary_unary(METHOD)(b"x", timeout=2)
-                except grpc.RpcError as e:
-                    codes[e.code().name] += 1
-                calls += 1
-                continue
-            if a.callers and now >= next_call:
+            if a.callers and not a.flood and now >= next_call:
                 next_call = now + a.every
                 for ch in chans:
                     pending.append(ch.unary_unary(METHOD).future(b"x", timeout=5))
@@ -127,13 +138,17 @@ def main() -> None:
                     codes[e.code().name] += 1
             time.sleep(0.02)
     finally:
+        stop.set()
+        for t in flooders:
+            t.join(5)
         for s in socks:
             if s is not None:
                 s.close()
         for ch in chans:
             ch.close()
-    print(json.dumps({"most_held": most, "reconnects": reconnects, "calls": calls, "codes": dict(codes)}),
-          flush=True)
+    took = time.monotonic() - t_start
+    print(json.dumps({"most_held": most, "reconnects": reconnects, "calls": calls, "codes": dict(codes),
+                      "seconds": round(took, 2)}), flush=True)
 
 
 if __name__ == "__main__":

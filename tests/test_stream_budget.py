@@ -156,7 +156,7 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
     # the attacker did attack: it made its calls and opened twice the cap's worth of connections
     # again and again, and the server refused and closed them in every round
     assert report["calls"] > 50 and report["reconnects"] > 4 * cap, report
-    assert len(result["refused"]) == 3 and all(n > cap for n, _ in result["refused"]), result["refused"]
+    assert len(result["refused"]) == 3 and all(n > 100 for n, _ in result["refused"]), result["refused"]
 
 
 # --------------------------------------------------------------------------- sessions sized from the nodes
@@ -289,7 +289,8 @@ def test_a_port_held_by_another_program_is_an_error_naming_the_key(monkeypatch):
 
 
 def test_a_flood_of_refused_calls_does_not_stop_a_session_in_flight():
-    """Calls refused while a genuine session streams: it keeps streaming."""
+    """Calls refused while a genuine session streams from the same address: the address is
+    banned (its new connections cut, its calls held), the open session keeps streaming."""
     from split_layer.stream import StreamClient, decode, encode
     srv = _Server(StreamOptions(timeout=30.0), [5])
     stop = threading.Event()
@@ -317,4 +318,6 @@ def test_a_flood_of_refused_calls_does_not_stop_a_session_in_flight():
         stop.set()
         th.join(10)
         srv.stop()
-    assert len(codes) > 10 and set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+    assert len(codes) > 10 and grpc.StatusCode.UNAUTHENTICATED in codes, codes[:5]
+    assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
+    assert srv.refusals.total["banned"] == 1 and srv.refusals.total["no-credentials"] > stream_guard.FLOOD_CALLS
