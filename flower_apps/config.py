@@ -17,6 +17,7 @@ from strategies.registry import (
     AlgorithmSpec,
     algorithm_names,
     get_algorithm,
+    import_modules,
     namespaces,
 )
 from tasks.config import (
@@ -35,6 +36,8 @@ class AppConfig:
     """How the run is driven (not sent to clients)."""
 
     algo: str = knob("semisfl", help="which algorithm to run (see README table)")
+    algo_modules: str = knob("", help="comma-separated modules outside the library that register algorithms "
+                                      "(strategies.registry.bind); imported on the ServerApp and on every node")
     num_rounds: int = knob(4, lo=1, help="communication rounds")
     fraction_train: float = knob_of(RoundPolicy, "fraction_train")
     min_nodes: int = knob_of(RoundPolicy, "min_nodes")
@@ -105,6 +108,7 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
     contradicts the chosen variant's fixed switches is an error even at its default value
     (:meth:`strategies.registry.AlgorithmSpec.parse_config`)."""
     flat = dict(raw)
+    import_modules(str(flat.get("algo-modules", "")))   # algorithms from outside the library register now
     allowed_top = _top_level_keys()
     spaces = namespaces()
     for k in flat:

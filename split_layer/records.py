@@ -44,6 +44,7 @@ LABEL_CONSENT_KEY = "share-label-metrics"
 LABEL_CONSENT_ENV = "FLOWER_SSL_SHARE_LABEL_METRICS"   # the same decision where a node has no node config
 
 NODE_INFO = "node-info"  # the query every node answers (see node_info)
+SPLIT_ACTIONS = ("split", "split-info")   # the split runtime's queries (split_layer.runtime / worker)
 # actions that ask a node about itself (no user config, node state not saved) and actions that
 # evaluate (evaluate_config, node state not saved); every other action trains
 INFO_ACTIONS = (NODE_INFO, "split-info")

@@ -1,4 +1,5 @@
-"""The FixMatch baselines of UM-pFSSL's comparison: FixAvg, FixProx, FedPer-Fix, local-only.
+"""The FixMatch baselines of UM-pFSSL's comparison: FixAvg, FedPer-Fix, local-only (and
+FixProx, FixAvg plus FedProx's term, in :mod:`strategies.fixprox`).
 
 ``fixavg`` -- FedAvg + FixMatch; ``fixprox`` -- FedProx (``prox-mu``) + FixMatch; ``fedper-fix``
 -- FedPer (shared body, local head) + FixMatch; ``local-only`` -- each client trains alone,
@@ -18,7 +19,7 @@ on the client's test split.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -57,7 +58,8 @@ from .umpfssl import (
 )
 
 
-def _train(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
+def _train(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig,
+           regularizer: Callable[[torch.nn.Module], Any] | None = None) -> Message:
     """fixavg / fixprox / fedper-fix / local-only: FixMatch local training."""
     conf = msg.content.config_records[CONFIG_KEY]
     rnd, pid, t = int(conf["server-round"]), env.partition_id, env.task
@@ -72,12 +74,7 @@ def _train(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Mess
         if cfg.mode == "fedper" and STATE_HEAD in context.state:
             rec.update(record_to_numpy(context.state.array_records[STATE_HEAD]))
         load_numpy_state(model, rec, strict=cfg.mode != "fedper")
-    reg = None
-    if cfg.mode == "fixprox" and cfg.prox_mu > 0:
-        ref = [p.detach().clone() for p in model.parameters()]
-
-        def reg() -> torch.Tensor:  # noqa: F811 - FedProx: mu/2 ||w - w_global||^2
-            return 0.5 * cfg.prox_mu * sum(((p - r) ** 2).sum() for p, r in zip(model.parameters(), ref))
+    reg = regularizer(model) if regularizer is not None else None
     lab, unl = env.labeled(), env.unlabeled()
     out = train_fixmatch(model, lab, unl, aug=env.augmenter, steps=num_local_steps(t, len(lab) + len(unl)),
                          batch_size=t.batch_size, unlabeled_batch_size=cfg.fixmatch_uratio * t.batch_size,
@@ -98,8 +95,12 @@ def _train(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Mess
     return _reply(msg, arrays, out)
 
 
-def client_train(msg: Message, context: Context) -> Message:
-    return _train(msg, context, _env(msg, context), _algo_cfg(msg))
+def client_train(msg: Message, context: Context, regularizer: Callable[[torch.nn.Module], Any] | None = None
+                 ) -> Message:
+    """FixMatch local training (module docstring); ``regularizer(model)``, if given, returns a
+    term added to every step's loss, made when the received weights are loaded (FixProx:
+    :func:`tasks.losses.proximal_term`)."""
+    return _train(msg, context, _env(msg, context), _algo_cfg(msg), regularizer)
 
 
 class FixMatchFedStrategy(PersonalizedEvalStrategy):
@@ -170,8 +171,6 @@ _STATE = (STATE_HEAD, STATE_MODEL)
 
 ALGORITHMS = bind({
     "fixavg": _spec("fixavg", FixMatchFedStrategy, "fixavg", "FedAvg + FixMatch on unlabeled data", _CLIENT, _STATE),
-    "fixprox": _spec("fixprox", FixMatchFedStrategy, "fixprox", "FedProx + FixMatch on unlabeled data",
-                     _CLIENT, _STATE),
     "fedper-fix": _spec("fedper-fix", FixMatchFedStrategy, "fedper", "FedPer (shared body, local head) + FixMatch",
                         _CLIENT, _STATE),
     "local-only": _spec("local-only", LocalOnlyStrategy, "local",

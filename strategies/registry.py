@@ -1,16 +1,32 @@
 """Algorithm registry: run-config name -> strategy class, config dataclass, client handlers.
 
-Each algorithm module exposes ``ALGORITHMS: dict[str, AlgorithmSpec]``. Baselines that
-differ from an algorithm by a switch are the same module with ``overrides`` (e.g. SCALA's
-``ca-sfl``), not copies. Modules are imported lazily: in a deployment every message runs
-in a fresh ClientApp process, which then imports only the algorithm it serves.
+An algorithm registers itself from its own module: the module defines
+``ALGORITHMS = bind({name: AlgorithmSpec(...), ...})`` (and, if its nodes answer queries of
+their own, ``QUERY_ACTIONS = ("action", ...)``), and nothing else in the library is edited.
+Baselines that differ from an algorithm by a switch are the same module with ``overrides``
+(e.g. SCALA's ``ca-sfl``), not copies.
+
+* **The library's own algorithms** (the modules of this package) are found without importing
+  them: the registry reads the string keys of each module's ``ALGORITHMS = bind({...})`` and
+  its ``QUERY_ACTIONS`` from the source (:func:`library_index`). A module is imported when one
+  of its algorithms is asked for, so a deployment's ClientApp process, which serves one
+  algorithm per message, imports only that one.
+* **An algorithm outside the library** registers when its module is imported (``bind``): a
+  user's own Flower app imports it anyway; the library's app imports the modules named in
+  the run config's ``algo-modules`` on the server and on every node (:func:`import_modules`).
+  Its query actions (if any) are answered by its own ClientApp (``XClient.register(app)``);
+  the library's ClientApp routes ``train``, ``evaluate`` and the library's query actions.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import pkgutil
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from flwr.app import Context, Message
@@ -19,24 +35,93 @@ from tasks.config import ConfigError, key_of, parse_dataclass, replace_checked
 
 ClientHandler = Callable[[Message, Context], Message]
 
-# name -> module that defines it. Add a line here when you add an algorithm module.
-_MODULES: dict[str, str] = {
-    "fedavg": "strategies.fedavg",
-    "supervised-only": "strategies.fedavg",
-    "umpfssl": "strategies.umpfssl",
-    **dict.fromkeys(("fixavg", "fixprox", "fedper-fix", "local-only"), "strategies.fixmatch_baselines"),
-    **dict.fromkeys(("scala", "ca-sfl", "lla-sfl", "splitfed-v1", "splitfed-v2"), "strategies.scala"),
-    **dict.fromkeys(("fedshvr", "fed-pseudo", "fed-mt", "fed-sl", "fedshvr-no-r1", "fedshvr-no-r2", "fedshvr-no-vr", "fedshvr-no-nova"), "strategies.fedshvr"),
-    **dict.fromkeys(("ssfl", "ssfl-selftrain"), "strategies.ssfl"),
-    **dict.fromkeys(("semisfl", "semisfl-no-cluster", "semisfl-fixed-ks"), "strategies.semisfl"),
-}
+_REGISTERED: dict[str, "AlgorithmSpec"] = {}   # name -> spec, filled by bind() when a module is imported
+_MODULE_OF: dict[str, str] = {}                 # name -> the module that registered it
+_INDEX: tuple[dict[str, str], tuple[str, ...]] | None = None
 
 
-# Every query action a node of some algorithm answers (Flower message type ``query.<action>``,
-# with ``_`` for ``-``), besides ``train`` and ``evaluate``. A ClientApp registers these with
-# ``@app.query(...)`` before any algorithm module is imported (a deployment's ClientApp process
-# imports only the algorithm it serves); an AlgorithmSpec with a handler not listed here is refused.
-QUERY_ACTIONS: tuple[str, ...] = ("node-info", "split-info", "split", "warmup", "select")
+def library_index() -> tuple[dict[str, str], tuple[str, ...]]:
+    """``(name -> module, query actions)`` of the algorithm modules of this package, read from
+    their source without importing them: the string keys of ``ALGORITHMS = bind({...})`` and
+    the strings of ``QUERY_ACTIONS = (...)``. A module whose ``ALGORITHMS`` is not such a
+    literal is imported to learn its names."""
+    global _INDEX
+    if _INDEX is not None:
+        return _INDEX
+    names: dict[str, str] = {}
+    actions: list[str] = []
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        module = f"{__package__}.{info.name}"
+        path = Path(__file__).parent / f"{info.name}.py"
+        if info.ispkg or not path.is_file():
+            continue
+        found, acts, literal = _read_module(path)
+        if not literal:   # not the convention: import it (it registers itself)
+            importlib.import_module(module)
+            found = [n for n, m in _MODULE_OF.items() if m == module]
+            acts = list(getattr(sys.modules[module], "QUERY_ACTIONS", ()))
+        for n in found:
+            names[n] = module
+        actions += [a for a in acts if a not in actions]
+    _INDEX = (names, tuple(actions))
+    return _INDEX
+
+
+def _read_module(path: Path) -> tuple[list[str], list[str], bool]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    names: list[str] = []
+    actions: list[str] = []
+    literal = True
+    dicts: dict[str, list] = {}   # module-level dict literals (a table of variants)
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if len(targets) != 1 or not isinstance(targets[0], ast.Name) or node.value is None:
+            continue
+        target, value = targets[0].id, node.value
+        if isinstance(value, ast.Dict):
+            dicts[target] = value.keys
+        if target == "ALGORITHMS":
+            arg = value.args[0] if isinstance(value, ast.Call) and value.args else None
+            keys = arg.keys if isinstance(arg, ast.Dict) else None
+            # {name: ... for name, ... in TABLE.items()} over a module-level dict literal
+            if (isinstance(arg, ast.DictComp) and len(arg.generators) == 1
+                    and isinstance(it := arg.generators[0].iter, ast.Call) and isinstance(it.func, ast.Attribute)
+                    and it.func.attr == "items" and isinstance(it.func.value, ast.Name)):
+                keys = dicts.get(it.func.value.id)
+            if keys is None or not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys):
+                literal = False
+            else:
+                names += [k.value for k in keys]
+        elif target == "QUERY_ACTIONS" and isinstance(value, (ast.Tuple, ast.List)):
+            actions += [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return names, actions, literal
+
+
+def query_actions() -> tuple[str, ...]:
+    """Every query action a node of the library's algorithms answers (Flower message type
+    ``query.<action>``, with ``_`` for ``-``), besides ``train`` and ``evaluate``: the one every
+    node answers (``node-info``), the split runtime's, and the algorithm modules' own
+    ``QUERY_ACTIONS``. The library's ClientApp registers these with Flower's routing."""
+    from split_layer.records import NODE_INFO, SPLIT_ACTIONS
+
+    own = library_index()[1]
+    return (NODE_INFO, *SPLIT_ACTIONS, *(a for a in own if a not in (NODE_INFO, *SPLIT_ACTIONS)))
+
+
+def import_modules(modules: str | Iterable[str]) -> None:
+    """Import algorithm modules from outside the library (run-config ``algo-modules``: a
+    comma-separated list of importable module names); each registers its algorithms."""
+    names = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else list(modules)
+    for m in names:
+        if not m:
+            continue
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise ConfigError(f"algo-modules: cannot import {m!r} ({e}); it must be importable on the "
+                              f"ServerApp and on every SuperNode") from None
 
 
 @dataclass(frozen=True)
@@ -58,10 +143,14 @@ class AlgorithmSpec:
     description: str = ""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.client) - {"train", "evaluate", *QUERY_ACTIONS})
+        from split_layer.records import NODE_INFO, SPLIT_ACTIONS
+
+        module = sys.modules.get(self.strategy_cls.__module__)
+        own = tuple(getattr(module, "QUERY_ACTIONS", ()))
+        unknown = sorted(set(self.client) - {"train", "evaluate", NODE_INFO, *SPLIT_ACTIONS, *own})
         if unknown:
-            raise ValueError(f"algorithm {self.name!r}: client actions {unknown} are not in "
-                             f"strategies.registry.QUERY_ACTIONS; add them there")
+            raise ValueError(f"algorithm {self.name!r}: client actions {unknown} are not declared; name them in "
+                             f"QUERY_ACTIONS = (...) at the top of {self.strategy_cls.__module__}")
 
     def handle(self, msg: Message, context: Context, action: str | None = None) -> Message:
         """Answer one server message on the ClientApp side: the handler of its action
@@ -140,7 +229,8 @@ class AlgorithmSpec:
                 value = getattr(cfg, name)
                 user_set = key in given or (key in flat and value != getattr(default, name))
                 if user_set and value != fixed:
-                    other = [n for n in algorithm_names() if n != self.name and _MODULES[n] == _MODULES[self.name]
+                    other = [n for n in algorithm_names() if n != self.name
+                             and module_of(n) == module_of(self.name)
                              and get_algorithm(n).overrides.get(name, value) == value]
                     hint = f", or choose algo {' / '.join(repr(n) for n in other)}" if other else ""
                     raise ConfigError(
@@ -158,13 +248,19 @@ def _show(v: Any) -> str:
 
 
 def algorithm_names() -> list[str]:
-    return sorted(_MODULES)
+    """Every algorithm: the library's own (:func:`library_index`) and those registered by
+    modules imported from outside it."""
+    return sorted(set(library_index()[0]) | set(_REGISTERED))
+
+
+def module_of(name: str) -> str:
+    return _MODULE_OF.get(name) or library_index()[0][name]
 
 
 def namespaces() -> dict[str, AlgorithmSpec]:
     """namespace -> one spec using it (to validate keys of every namespace)."""
     out: dict[str, AlgorithmSpec] = {}
-    for name in _MODULES:
+    for name in algorithm_names():
         spec = get_algorithm(name)
         if spec.namespace:
             out.setdefault(spec.namespace, spec)
@@ -172,17 +268,37 @@ def namespaces() -> dict[str, AlgorithmSpec]:
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    if name not in _MODULES:
-        raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())}")
-    module = importlib.import_module(_MODULES[name])
-    return module.ALGORITHMS[name]
+    if name not in _REGISTERED:
+        module = library_index()[0].get(name)
+        if module is None:
+            raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())} (an algorithm "
+                              f"outside the library: name its module in algo-modules)")
+        importlib.import_module(module)
+        if name not in _REGISTERED:
+            raise ConfigError(f"module {module} did not register algo={name!r}")
+    return _REGISTERED[name]
+
+
+def unregister(*names: str) -> None:
+    """Forget algorithms registered from outside the library (tests)."""
+    for n in names:
+        _REGISTERED.pop(n, None)
+        _MODULE_OF.pop(n, None)
 
 
 def bind(algorithms: dict[str, AlgorithmSpec]) -> dict[str, AlgorithmSpec]:
-    """Give each strategy class of an algorithm module the specs it runs (``cls.specs``,
+    """Register an algorithm module's algorithms (call it as ``ALGORITHMS = bind({...})`` at
+    the module's top level), and give each strategy class the specs it runs (``cls.specs``,
     its first name first), so that ``Strategy(algo=..., **options)`` builds and checks its
     config from the same specs as the run config. Returns ``algorithms``."""
-    for spec in algorithms.values():
+    for name, spec in algorithms.items():
+        if name != spec.name:
+            raise ValueError(f"ALGORITHMS key {name!r} names a spec of algo={spec.name!r}")
+        owner = _MODULE_OF.get(name)
+        module = sys._getframe(1).f_globals.get("__name__", spec.strategy_cls.__module__)
+        if owner is not None and owner != module:
+            raise ValueError(f"algo={name!r} is registered by {owner} already; {module} registers it again")
+        _REGISTERED[name], _MODULE_OF[name] = spec, module
         cls = spec.strategy_cls
         if "specs" not in cls.__dict__:
             cls.specs = {}

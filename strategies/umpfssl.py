@@ -132,6 +132,7 @@ from .client import AlgorithmClient
 from .registry import AlgorithmSpec, bind
 
 NS = "umpfssl"
+QUERY_ACTIONS = ("warmup", "select")   # this algorithm's own queries (strategies.registry)
 MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local")
 CORR_FLOOR = 1e-6
 STATE_HELPERS = "umpfssl.helpers"   # ConfigRecord: ids, versions, corr (non-self members)

@@ -39,7 +39,22 @@ __all__ = [
     "supcon_loss",
     "supervised_contrastive",
     "clustering_regularization",
+    "proximal_term",
 ]
+
+
+def proximal_term(model: torch.nn.Module, mu: float):
+    """FedProx's proximal term (Li et al., MLSys 2020, Eq. 2): a function that returns
+    ``mu/2 * ||w - w_start||^2`` over ``model``'s parameters, ``w_start`` being the
+    parameters when this is called (the global model the round starts from). A client adds
+    it to its local loss (``regularizer=`` of :func:`tasks.training.train_supervised` and
+    :func:`tasks.training.train_fixmatch`); its gradient is ``mu (w - w_start)``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+
+    def term() -> Tensor:
+        return 0.5 * float(mu) * sum(((p - s) ** 2).sum() for p, s in zip(params, start))
+    return term
 
 
 def _reduce(values: Tensor, reduction: str) -> Tensor:

@@ -109,11 +109,14 @@ def to_device_batch(data: ArrayDataset, idx: torch.Tensor, device: torch.device)
 def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, steps: int,
                      batch_size: int, optimizer: torch.optim.Optimizer, device: torch.device,
                      seed: int, view: str = "weak",
-                     lr_fn: Callable[[int], float] | None = None) -> dict[str, float]:
-    """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default).
+                     lr_fn: Callable[[int], float] | None = None,
+                     regularizer: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
+    """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default), plus
+    ``regularizer()`` if given (e.g. FedProx's :func:`tasks.losses.proximal_term`).
 
     ``lr_fn(i)``, if given, sets the learning rate of every param group before local step
-    ``i`` (0-based), e.g. a cosine schedule over global iterations.
+    ``i`` (0-based), e.g. a cosine schedule over global iterations. ``train-loss`` is the
+    cross-entropy alone.
     """
     model.train()
     gen = torch.Generator().manual_seed(seed)
@@ -126,7 +129,7 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
         xb, yb = to_device_batch(data, idx, device)
         loss = F.cross_entropy(model(transform(xb)), yb)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + regularizer() if regularizer is not None else loss).backward()
         optimizer.step()
         total += float(loss.detach()) * len(idx)
         seen += len(idx)

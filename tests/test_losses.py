@@ -491,3 +491,22 @@ def test_cuda_smoke():
     mean, ent = mc_dropout_predict(net, torch.randn(4, 3, device=dev), T=2)
     ema_update(_Net().to(dev), net, 0.9)
     assert mean.device.type == "cuda" and ent.device.type == "cuda"
+
+
+def test_proximal_term_and_its_gradient_match_a_hand_computation():
+    """FedProx (Li et al. 2020, Eq. 2): mu/2 ||w - w_start||^2, gradient mu (w - w_start)."""
+    from tasks.losses import proximal_term
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    term = proximal_term(model, mu=0.3)
+    assert float(term()) == 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    value = term()
+    value.backward()
+    want = 0.15 * sum(float(((p - s) ** 2).sum()) for p, s in zip(model.parameters(), start))
+    assert float(value) == pytest.approx(want, rel=1e-6)
+    for p, s in zip(model.parameters(), start):
+        torch.testing.assert_close(p.grad, 0.3 * (p.detach() - s))
