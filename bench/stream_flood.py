@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.flower_harness import free_port  # noqa: E402
+
 BASE = ("algo='scala' model='cnn' norm='bn' partition='quantity' partition-classes-per-client=4 seed=3 "
         "scala.total-batch=64 lr=0.05 momentum=0.9 min-nodes=2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rounds(args, port: int) -> list[float]:

@@ -128,7 +128,7 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
             parse_dataclass(spec.config_cls, flat, ns)
     spec = get_algorithm(app.algo)
     if app.split_transport != "message":
-        from split_layer.runtime import SplitStrategy
+        from strategies.base import SplitStrategy
 
         if not issubclass(spec.strategy_cls, SplitStrategy):
             split_algos = [n for n in algorithm_names() if issubclass(get_algorithm(n).strategy_cls, SplitStrategy)]

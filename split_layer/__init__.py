@@ -3,7 +3,7 @@
 Modules (algorithm-free; algorithms live in ``strategies/``):
 
 * :mod:`split_layer.cut` -- ``split_model(model, cut) -> (bottom, top)`` sharing parameters.
-* :mod:`split_layer.runtime` -- ``SplitStrategy``: the server-side round (begin, I fused
+* :mod:`split_layer.runtime` -- ``SplitRuntime``: the server-side round (begin, I fused
   exchanges, end, aggregate), faults, byte accounting by kind.
 * :mod:`split_layer.worker` -- ``make_split_handlers(SplitClientHooks())``: the ClientApp
   worker (state in ``context.state``, exact recomputation, gradient validation).

@@ -1,59 +1,27 @@
-"""The shared server-side base of every algorithm in this library.
+"""What a round needs that the split layer shares with the strategies above it.
 
-``SSLStrategy`` is a :class:`flwr.serverapp.strategy.Strategy` whose ``start()`` runs
-the same round loop for all algorithms, with what Flower's loop lacks and every paper
-here needs:
-
-* seeded node sampling (``fraction-train``, ``min-nodes``) and a per-round timeout;
-* fault handling: an error reply or a node that misses the timeout is dropped from the
-  round with a logged warning and recorded in the round's metrics (``dropped``); a round
-  with fewer than ``min-nodes`` usable replies is skipped cleanly (no aggregation);
-* byte accounting by kind and direction (``bytes.<kind>.<up|down>``) for every message;
-* server-side evaluation of the global model on the held-out test set each round;
-* resumable state (``state_dict``/``load_state_dict``) and an ``on_round_end`` hook,
-  used by ``flower_apps`` to write metrics and atomic checkpoints.
-
-A subclass overrides only what differs (as Flower's FedProx only adds to FedAvg):
-``configure_train``/``aggregate_train`` for full-model algorithms, or ``run_round`` when
-the round itself has another shape (server-only training, split learning).
+* :class:`RoundPolicy`: sampling, waiting and the minimum to aggregate (run-config keys
+  ``fraction-train``, ``min-nodes``, ``round-timeout``, ``split-transport``).
+* :class:`ByteMeter`: bytes by kind and direction (``bytes.<kind>.<up|down>``).
+* :func:`describe_error`: the real exception of a ClientApp's error reply.
+* :class:`RoundHost`: the small interface the split layer needs from the strategy that runs
+  its rounds (exchange messages, drop a node, the byte meter, the message content); the base
+  strategy, :class:`strategies.base.BaseStrategy`, provides it.
 """
 from __future__ import annotations
 
-import random
 import re
-import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from logging import INFO, WARNING
-from typing import Any, Callable, Iterable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common import log
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
-from tasks.aggregate import weighted_mean
-from tasks.config import ConfigError, TaskConfig, fields_of, knob, replace_checked
-from tasks.env import Env, NodeData, library_env, user_env
-from tasks.training import derive_seed, evaluate, load_numpy_state
-
-from .records import (
-    ALGO_KEY,
-    ARRAYS_KEY,
-    CONFIG_KEY,
-    EVAL_ACTIONS,
-    INFO_ACTIONS,
-    METRICS_KEY,
-    NODE_INFO,
-    TASK_KEY,
-    model_to_record,
-    query,
-    record_to_numpy,
-    task_record,
-)
+from tasks.config import TaskConfig, knob
+from tasks.env import Env
 
 
 @dataclass
@@ -98,413 +66,26 @@ def array_bytes(rec: ArrayRecord) -> int:
                    for a in (rec[k] for k in rec.keys())))
 
 
-class SSLStrategy(Strategy):
-    """Base strategy: round loop, sampling, faults, bytes, evaluation, checkpoints.
+class RoundHost(Protocol):
+    """What :mod:`split_layer` needs from the strategy whose rounds it runs (the transports and
+    the split runtime, :class:`split_layer.runtime.SplitRuntime`); :class:`strategies.base.BaseStrategy`
+    provides it. The split layer imports nothing above it."""
 
-    Every argument is optional; the defaults are the paper's (the algorithm's config
-    dataclass) and the library's (``TaskConfig``, ``RoundPolicy``).
-
-    Parameters
-    ----------
-    task : TaskConfig
-        Data, partition, model and local-optimisation settings (sent to every client).
-    cfg : dataclass
-        The algorithm's own config (sent to every client as the ``algo`` record).
-    algo : str
-        Which of the algorithms of this class runs (a variant or baseline, e.g.
-        ``"fed-pseudo"`` of ``FedSHVRStrategy``); default: the class's own. Any other
-        name is a ``ConfigError``.
-    policy : RoundPolicy
-        Sampling, timeout and minimum number of nodes per round.
-    model : torch.nn.Module or a function returning one
-        The user's own model (else the task config's named model and dataset). For a split
-        algorithm: a ``tasks.models.StagedModel``, ``(bottom, top)`` or ``nn.Sequential``
-        with ``cut=<index>`` (:func:`tasks.models.as_staged`).
-    labeled_data, test_data
-        The server's own labeled set (algorithms with labels on the server) and test set
-        (evaluated every round; else ``start(evaluate_fn=...)`` evaluates): ``(x, y)``
-        arrays or tensors, uint8 or float in [0, 1], ``[N, C, H, H]`` (``tasks.data.as_dataset``).
-    num_classes, augmenter, flip
-        Number of classes (default: from the labels), the weak/strong augmenter (default
-        ``tasks.augment.Augmenter(C, H, flip=flip)``).
-    **options
-        Any field of the algorithm's config, of ``TaskConfig`` (``lr``, ``batch_size``,
-        ``local_epochs``, ``local_steps``, ``seed``, ``device``, ``cut``...) or of
-        ``RoundPolicy`` (``fraction_train``, ``min_nodes``, ``round_timeout``...), checked
-        against the same ranges and choices as the run config.
-    """
-
-    label_mode: str = "all"      # how the partition plan labels data (tasks.partition.LABEL_MODES)
-    uses_clients: bool = True    # False for server-only baselines (supervised-only)
-    with_client_test: bool = False
-    staged: bool = False         # split algorithms: models are StagedModels (tasks.models.as_staged)
-    #: registry name -> spec of every algorithm this class runs, its own first (set by
-    #: ``strategies.registry.bind``); a spec builds the config: ``spec.build_config(cfg, options)``
-    specs: dict[str, Any] = {}
-
-    def __init__(self, task: TaskConfig | None = None, cfg: Any = None, algo: str | None = None,
-                 policy: RoundPolicy | None = None, *, model: Any = None, labeled_data: Any = None,
-                 test_data: Any = None, num_classes: int | None = None, augmenter: Any = None,
-                 flip: bool = False, **options: Any) -> None:
-        specs = type(self).specs
-        if algo is None:
-            algo = next(iter(specs), type(self).__name__)
-        elif specs and algo not in specs:
-            raise ConfigError(f"algo={algo!r} is not run by {type(self).__name__}; it runs: {', '.join(specs)}")
-        policy = policy or RoundPolicy()
-        task = task or TaskConfig()
-        by_target: dict[str, dict[str, Any]] = {"policy": {}, "task": {}, "algo": {}}
-        policy_names = {f.name for f, _ in fields_of(RoundPolicy)}
-        task_names = {f.name for f, _ in fields_of(TaskConfig)}
-        for name, value in options.items():
-            target = "policy" if name in policy_names else "task" if name in task_names else "algo"
-            by_target[target][name] = value
-        spec = specs.get(algo)
-        algo_names = {f.name for f, _ in fields_of(spec.config_cls)} if spec is not None and spec.config_cls else set()
-        unknown = sorted(set(by_target["algo"]) - algo_names)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword argument(s) {', '.join(unknown)}; "
-                            f"options of algo={algo!r}: {', '.join(sorted(algo_names)) or 'none'}; task: "
-                            f"{', '.join(sorted(task_names))}; rounds: {', '.join(sorted(policy_names))}")
-        if spec is not None:
-            cfg = spec.build_config(cfg, by_target["algo"])
-        if by_target["policy"]:
-            policy = replace_checked(policy, **by_target["policy"])
-        if by_target["task"]:
-            task = replace_checked(task, **by_target["task"])
-        self.task, self.cfg, self.algo = task, cfg, algo
-        self.policy = policy
-        self.user = None
-        if model is not None:
-            self.user = dict(model=model, data=NodeData.of(labeled=labeled_data, test=test_data),
-                             num_classes=num_classes, augmenter=augmenter, flip=flip)
-        elif labeled_data is not None or test_data is not None:
-            raise ConfigError("labeled_data/test_data are a user's own data: pass your model too (model=...)")
-        self.meter = ByteMeter()
-        self.rng = random.Random(task.seed)
-        self.env: Env | None = None
-        self.model: torch.nn.Module | None = None
-        self.dropped: list[int] = []
-        self.num_partitions = 0
-        self.partition_of: dict[int, int] = {}   # node id -> partition id (learn_partitions)
-        self.partition_count = 0                  # the nodes' num-partitions (learn_partitions)
-        self._asked: set[int] = set()
-        self.train_config: dict[str, Any] = {}     # Flower's start(train_config=...): in every training message
-        self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
-        self.initial_given = False                 # start(initial_arrays=...) was used
-        self.num_rounds = 0                        # start()'s num_rounds: the horizon of schedules
-        self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
-        self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
-
-    # ------------------------------------------------------------------ setup
-    def setup(self, grid: Grid | None) -> None:
-        """Build the server environment and the global model (idempotent)."""
-        if self.env is not None:
-            return
-        nodes = self.wait_for_nodes(grid) if (grid is not None and self.uses_clients) else []
-        self.num_partitions = len(nodes) or max(self.policy.min_nodes, 1)
-        self.env = self.make_env()
-        self.model = self.env.build_model()
-        self.setup_algorithm()
-
-    def make_env(self) -> Env:
-        """The server's Env: the user's model and data (``model=...``), else the library's
-        dataset named by the task config, partitioned over the nodes seen."""
-        if self.user is not None:
-            u = self.user
-            return user_env(self.task, u["model"], u["data"], num_classes=u["num_classes"],
-                            augmenter=u["augmenter"], flip=u["flip"], staged=self.staged)
-        return library_env(self.task, self.num_partitions, self.label_mode, self.with_client_test)
-
-    def begin_run(self) -> None:
-        """Hook: ``start()`` calls it after :meth:`setup`, before the first round, with
-        ``self.num_rounds`` set (e.g. schedules over the run's rounds)."""
-
-    def setup_algorithm(self) -> None:
-        """Hook for subclasses: extra server-side models, optimizers, queues."""
-
-    def wait_for_nodes(self, grid: Grid) -> list[int]:
-        deadline = time.time() + self.policy.wait_for_nodes
-        while True:
-            nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= self.policy.min_nodes:
-                return nodes
-            if time.time() > deadline:
-                raise RuntimeError(
-                    f"only {len(nodes)} node(s) connected after {self.policy.wait_for_nodes:.0f} s; "
-                    f"min-nodes={self.policy.min_nodes}. Start more SuperNodes or lower min-nodes.")
-            time.sleep(0.2)
-
-    # ------------------------------------------------------------------ messaging
-    def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
-        """``fraction-train`` of the nodes, drawn by a seeded RNG over the nodes in partition order.
-
-        Simulated SuperNodes get random ids (partition ids in creation order), so drawing over
-        sorted node ids would pick other partitions in every run; the partition ids are asked
-        once per node (``node-info``) when not all nodes are sampled. Nodes that do not answer
-        it (e.g. a ClientApp without that handler) come last, in node-id order.
-        """
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) < self.policy.min_nodes:
-            nodes = self.wait_for_nodes(grid)
-        k = max(self.policy.min_nodes, int(round(self.policy.fraction_train * len(nodes))))
-        k = min(k, len(nodes))
-        if k == len(nodes):
-            return nodes
-        self.learn_partitions(grid, nodes)
-        ordered = sorted(nodes, key=lambda n: (self.partition_of.get(n, 1 << 62), n))
-        rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
-        return sorted(rng.sample(ordered, k))
-
-    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01) -> list[int]:
-        """The one way the server learns which partition a node holds: nodes not asked before
-        get one ``node-info`` query each (every ClientApp of this library answers it in
-        ``flower_apps.client_app.dispatch``); ``partition_of[node]`` and ``partition_count``
-        (the nodes' ``num-partitions``) are filled. Returns the nodes of ``nodes`` whose
-        partition is known (a node that does not answer is asked once, never again)."""
-        todo = [n for n in nodes if n not in self._asked and n not in self.partition_of]
-        if not todo:
-            return [n for n in nodes if n in self.partition_of]
-        self._asked.update(todo)
-        msgs = [query(self.base_content(0, action=NODE_INFO), n, NODE_INFO) for n in todo]
-        pending = set(grid.push_messages(msgs))
-        deadline = time.time() + min(self.policy.round_timeout, 120.0)
-        while pending and time.time() < deadline:
-            for r in grid.pull_messages(list(pending)):
-                pending.discard(r.metadata.reply_to_message_id)
-                if r.has_error() or CONFIG_KEY not in r.content.config_records:
-                    continue  # sampled after the nodes that answered
-                info = r.content.config_records[CONFIG_KEY]
-                self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
-            if pending:
-                time.sleep(poll)
-        return [n for n in nodes if n in self.partition_of]
-
-    def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None:
-        """Record what a node said of its partition (``node-info``, or the split runtime's
-        ``split-info``, which answers the same and adds the node's data statistics)."""
-        self.partition_of[node] = int(partition_id)
-        if int(num_partitions or 0) > 0:
-            self.partition_count = int(num_partitions)
-
-    def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict:
-        """The records of a message for ``action``: the task, the algorithm config, and the
-        config (Flower's ``train_config``/``evaluate_config`` by action, then the round's values)."""
-        user = ({} if action in INFO_ACTIONS else self.evaluate_config if action in EVAL_ACTIONS
-                else self.train_config)
-        cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key,
-               "state-session": self.session, **config}
-        if self.env is not None:
-            cfg.setdefault("num-classes", self.env.num_classes)
-        return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
-                           CONFIG_KEY: ConfigRecord(cfg)})
-
-    def algo_flat(self) -> dict[str, Any]:
-        from tasks.config import to_flat
-        return to_flat(self.cfg) if self.cfg is not None else {}
+    task: TaskConfig
+    policy: RoundPolicy
+    meter: ByteMeter
+    env: Env | None
+    model: torch.nn.Module | None
+    info: dict
 
     def exchange(self, grid: Grid, messages: list[Message], timeout: float | None = None,
-                 poll: float = 0.01) -> list[Message]:
-        """Push, then poll for replies until all arrived or ``timeout``; drop failures.
+                 poll: float = 0.01) -> list[Message]: ...
 
-        Error replies and missing replies are logged, and their nodes are added to
-        ``self.dropped`` for this round. Only good replies are returned.
-        """
-        timeout = self.policy.round_timeout if timeout is None else timeout
-        if not messages:
-            return []
-        by_id = {}
-        for mid, m in zip(grid.push_messages(messages), messages):
-            by_id[mid] = m.metadata.dst_node_id
-        pending, out = set(by_id), []
-        deadline = time.time() + timeout
-        while pending and time.time() < deadline:
-            for r in grid.pull_messages(list(pending)):
-                rid = r.metadata.reply_to_message_id
-                if rid not in pending:
-                    continue
-                pending.discard(rid)
-                if r.has_error():
-                    self.drop(by_id[rid], f"error {r.error.code}: {describe_error(r.error.reason or '')}")
-                else:
-                    out.append(r)
-            if pending:
-                time.sleep(poll)
-        for rid in pending:
-            self.drop(by_id[rid], f"no reply within {timeout:.0f} s")
-        return out
+    def drop(self, node: int, why: str) -> None: ...
 
-    def drop(self, node: int, why: str) -> None:
-        """Drop ``node`` from this round: a logged warning, and the round's ``dropped`` metric."""
-        log(WARNING, "node %s dropped from round: %s", node, why)
-        self.dropped.append(node)
+    def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict: ...
 
-    # ------------------------------------------------------------------ FedAvg-style round
-    def global_arrays(self) -> ArrayRecord:
-        return model_to_record(self.model)
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        nodes = self.sample_nodes(grid, server_round)
-        msgs = []
-        for n in nodes:
-            content = self.base_content(server_round, **dict(config))
-            content[ARRAYS_KEY] = arrays
-            self.meter.add_record("weights", "down", arrays)
-            msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
-        return msgs
-
-    #: reply metrics averaged (weighted by ``num-examples``) into the round's metrics
-    reply_metrics: tuple[str, ...] = ("train-loss",)
-
-    def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
-        """Hook: put the aggregated state into the global model (e.g. only the shared body)."""
-        load_numpy_state(self.model, state)
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        states, weights = [], []
-        values: dict[str, list[float]] = {k: [] for k in self.reply_metrics}
-        for r in replies:
-            rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
-            met = r.content.metric_records[METRICS_KEY]
-            states.append(record_to_numpy(rec))
-            weights.append(float(met["num-examples"]))
-            for k in self.reply_metrics:
-                values[k].append(float(met.get(k, float("nan"))))
-        if len(states) < self.policy.min_nodes or sum(weights) <= 0:
-            return None, None
-        self.load_aggregate(weighted_mean(states, weights))
-        return self.global_arrays(), MetricRecord(
-            {k: float(np.average(v, weights=weights)) for k, v in values.items()})
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        return []  # evaluation is centralised on the server test set (evaluate_global)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
-
-    def summary(self) -> None:
-        log(INFO, "%s: %s", type(self).__name__, self.task)
-
-    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
-        """One round; returns its metrics. Default: FedAvg-style train round."""
-        msgs = list(self.configure_train(server_round, self.global_arrays(), ConfigRecord(), grid))
-        replies = self.exchange(grid, msgs)
-        arrays, metrics = self.aggregate_train(server_round, replies)
-        out: dict[str, Any] = {"participants": len(replies)}
-        if arrays is None:
-            out["skipped"] = 1
-            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round,
-                len(replies), self.policy.min_nodes)
-        if metrics is not None:
-            out.update(dict(metrics))
-        return out
-
-    # ------------------------------------------------------------------ evaluation
-    def eval_model(self) -> torch.nn.Module:
-        """The model whose test accuracy is the run's result (override: e.g. EMA teacher)."""
-        return self.model
-
-    def evaluate_global(self) -> dict[str, Any]:
-        """Accuracy, loss and per-class accuracy on the server's test set (none given: ``{}``,
-        and ``start(evaluate_fn=...)`` is the evaluation)."""
-        env = self.env
-        if env.test is None or len(env.test) == 0:
-            return {}
-        return evaluate(self.eval_model(), env.test, aug=env.augmenter, device=env.device,
-                        num_classes=env.num_classes)
-
-    def result_arrays(self) -> ArrayRecord:
-        """What ``start`` returns as ``Result.arrays`` and passes to ``evaluate_fn``: the
-        evaluated model (override: per-client models of a personalized algorithm)."""
-        return model_to_record(self.eval_model())
-
-    def load_initial_arrays(self, arrays: ArrayRecord) -> None:
-        """``start(initial_arrays=...)``: the global model starts from them, and so does every
-        model derived from it (teacher, server part, optimizer state): the algorithm is set up again."""
-        load_numpy_state(self.model, record_to_numpy(arrays))
-        self.initial_given = True
-        self.setup_algorithm()
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume after the last completed round."""
-        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                "rng": self.rng.getstate(), "state-key": self.state_key, "initial-given": self.initial_given,
-                "extra": self.extra_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.rng.setstate(state["rng"])
-        self.state_key = str(state.get("state-key", self.state_key))
-        self.initial_given = bool(state.get("initial-given", False))
-        self.load_extra_state(state.get("extra", {}))
-
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
-    # ------------------------------------------------------------------ the loop
-    def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int = 3,
-              timeout: float | None = None, train_config: ConfigRecord | None = None,
-              evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None, *,
-              start_round: int = 1,
-              on_round_end: Callable[[int, dict[str, Any]], None] | None = None) -> Result:
-        """Run rounds ``start_round..num_rounds`` and return Flower's ``Result``.
-
-        Same signature and meaning as Flower's ``Strategy.start``: ``initial_arrays``
-        (optional: else the model is built from the task config) is the global model of
-        round 1 and of the round-0 evaluation, ``train_config``/``evaluate_config`` are added
-        to the config of every training/evaluation message, ``evaluate_fn(round, arrays)``
-        is called for round 0 and after every round with what ``Result.arrays`` returns,
-        and its metrics join the round's server metrics. Plus ``start_round`` and
-        ``on_round_end`` for resuming and for writing results (``initial_arrays`` only
-        applies to a run that starts at round 1).
-        """
-        if timeout is not None:
-            self.policy.round_timeout = float(timeout)
-        self.train_config = dict(train_config or {})
-        self.evaluate_config = dict(evaluate_config or {})
-        self.session = uuid.uuid4().hex
-        self.num_rounds = int(num_rounds)
-        self.setup(grid)
-        self.begin_run()
-        if initial_arrays is not None and start_round == 1:
-            self.load_initial_arrays(initial_arrays)
-        result = Result()
-
-        def server_eval(rnd: int) -> dict[str, Any]:
-            ev = self.evaluate_global()
-            if evaluate_fn is not None:
-                extra = evaluate_fn(rnd, self.result_arrays())
-                if extra is not None:
-                    ev.update(dict(extra))
-            return ev
-
-        if start_round == 1:
-            result.evaluate_metrics_serverapp[0] = MetricRecord(_metric_safe(server_eval(0)))
-        for rnd in range(start_round, num_rounds + 1):
-            t0 = time.time()
-            self.dropped = []
-            metrics = self.run_round(rnd, grid)
-            metrics.update(self.meter.flush())
-            metrics["dropped"] = sorted(set(self.dropped))
-            ev = server_eval(rnd)
-            metrics.update(ev)
-            metrics["round-seconds"] = time.time() - t0
-            result.train_metrics_clientapp[rnd] = MetricRecord(_metric_safe(metrics))
-            result.evaluate_metrics_serverapp[rnd] = MetricRecord(_metric_safe(ev))
-            if on_round_end is not None:
-                on_round_end(rnd, metrics)
-        result.arrays = self.result_arrays()
-        return result
+    def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None: ...
 
 
 _EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)): ?(.*)$")

@@ -1,4 +1,4 @@
-"""The ServerApp side of split learning: :class:`SplitStrategy`, an algorithm-free round.
+"""The ServerApp side of split learning: :class:`SplitRuntime`, an algorithm-free round.
 
 One round (``run_round``), for ``I = local_iterations()``:
 
@@ -62,14 +62,14 @@ import torch
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from split_layer.rounds import SSLStrategy
+from .rounds import RoundHost
 from tasks.aggregate import weighted_mean
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
 from .transport import Envelope, FlowerTransport, Transport
 from .validation import SplitValidationError, TensorSpec, check_streams
 
-__all__ = ["SplitStrategy", "nbytes"]
+__all__ = ["SplitRuntime", "nbytes"]
 
 
 def nbytes(d: dict[str, np.ndarray]) -> int:
@@ -77,9 +77,12 @@ def nbytes(d: dict[str, np.ndarray]) -> int:
     return int(sum(np.asarray(v).nbytes for v in d.values()))
 
 
-class SplitStrategy(SSLStrategy):
+class SplitRuntime:
     """Algorithm-free split-learning round over a :class:`Transport` (see module docstring).
 
+    A mixin: it runs inside a strategy that provides :class:`split_layer.rounds.RoundHost`
+    (exchange, drop, the byte meter, the message content, the round loop it overrides
+    ``run_round`` of); ``strategies.base.SplitStrategy`` is it mixed into the base strategy.
     Subclasses override the hooks: ``local_iterations``, ``begin_round``, ``visit_groups``,
     ``begin_config``, ``begin_extras``, ``stream_specs``, ``server_iteration``, ``aggregate``,
     and for the server part's rollback ``server_snapshot``/``server_restore``.
@@ -225,7 +228,7 @@ class SplitStrategy(SSLStrategy):
             tr.close()
 
     def start(self, grid: Grid, *args: Any, **kwargs: Any):
-        """Flower's ``Strategy.start`` (see :meth:`split_layer.rounds.SSLStrategy.start`); the
+        """Flower's ``Strategy.start`` (see :meth:`strategies.base.BaseStrategy.start`); the
         transport's sessions end with it, also when it fails."""
         try:
             return super().start(grid, *args, **kwargs)

@@ -6,7 +6,7 @@ a small config, reply metrics) through a :class:`Transport`: one call = one exch
 (a gRPC stream, issue 9) replaces :class:`FlowerTransport` without touching algorithms.
 
 * :class:`FlowerTransport` -- Flower messages (``query.<action>`` messages),
-  pushed and polled by :meth:`split_layer.rounds.SSLStrategy.exchange` (fault handling:
+  pushed and polled by :meth:`strategies.base.BaseStrategy.exchange` (fault handling:
   error replies and timeouts drop the node and land in the round's ``dropped``).
 * :func:`envelope_from_message` / :func:`reply` -- the same encoding on the ClientApp side.
 * :class:`LocalGrid` -- a Flower ``Grid`` look-alike that runs the ClientApp handler in
@@ -108,7 +108,7 @@ def reply(msg: Message, env: Envelope) -> Message:
 class FlowerTransport(Transport):
     """Flower messages through ``strategy.exchange`` (seeded, fault-tolerant push/poll)."""
 
-    def __init__(self, strategy, grid) -> None:  # strategy: split_layer.rounds.SSLStrategy
+    def __init__(self, strategy, grid) -> None:  # strategy: a split_layer.rounds.RoundHost
         self.strategy, self.grid = strategy, grid
 
     def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:

@@ -29,7 +29,7 @@ from split_layer.records import (
     model_to_record,
     record_to_numpy,
 )
-from split_layer.rounds import SSLStrategy
+from .base import BaseStrategy
 from tasks.training import (
     derive_seed,
     load_numpy_state,
@@ -42,7 +42,7 @@ from .client import AlgorithmClient
 from .registry import AlgorithmSpec, bind
 
 
-class FedAvgStrategy(SSLStrategy):
+class FedAvgStrategy(BaseStrategy):
     """Supervised FedAvg on fully labeled clients (the sanity reference)."""
 
     label_mode = "all"
@@ -64,7 +64,7 @@ def client_train(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-class SupervisedOnlyStrategy(SSLStrategy):
+class SupervisedOnlyStrategy(BaseStrategy):
     """The server trains on its labeled set alone (no client is contacted)."""
 
     label_mode = "server"

@@ -113,7 +113,7 @@ from split_layer.records import (
     numpy_to_record,
     record_to_numpy,
 )
-from split_layer.rounds import SSLStrategy
+from .base import BaseStrategy
 from tasks.aggregate import fednova_aggregate, weighted_mean
 from tasks.config import knob
 from tasks.ema import ema_update
@@ -310,7 +310,7 @@ def local_train(model: torch.nn.Module, labeled, unlabeled, targets: torch.Tenso
 
 
 # --------------------------------------------------------------------------- server
-class FedSHVRStrategy(SSLStrategy):
+class FedSHVRStrategy(BaseStrategy):
     """FedNova normalised averaging over heterogeneous tau_k (or plain averaging), and the
     scalars the clients need for their correction (see module docstring)."""
 

@@ -144,7 +144,7 @@ def handle(handler: Callable[[Message, Context], Message], msg: Message, context
 
     ``persist=False`` (information and evaluation queries): restore only. The message's
     config gives ``server-round``, ``state-key`` and ``state-session`` (set by
-    :meth:`split_layer.rounds.SSLStrategy.base_content`); without them the handler runs as is.
+    :meth:`strategies.base.BaseStrategy.base_content`); without them the handler runs as is.
     """
     cfg = msg.content.config_records.get("config")
     if not keys or cfg is None or "state-session" not in cfg:

@@ -335,5 +335,5 @@ def _variants_doc(cls: type) -> str:
     lines += ["", "Also any ``TaskConfig`` field (``lr``, ``batch_size``, ``local_epochs``, ``local_steps``, "
               "``seed``, ``device``...) and ``RoundPolicy`` field (``fraction_train``, ``min_nodes``, "
               "``round_timeout``...), and ``model``, ``labeled_data``, ``test_data``, ``num_classes``, "
-              "``augmenter``, ``flip`` (:class:`split_layer.rounds.SSLStrategy`)."]
+              "``augmenter``, ``flip`` (:class:`strategies.base.BaseStrategy`)."]
     return "\n".join(lines) + "\n"

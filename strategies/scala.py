@@ -22,7 +22,7 @@ server part w_s (top). Global iteration t, sampled clients C^t (``fraction-train
   - ``sequential`` (SplitFedV2): one shared w_s; the sampled clients, in a seeded random
     order (``derive_seed(seed, "splitfed-v2-order", t)``, a new permutation every round),
     each run all I iterations against it in turn, starting from the same w_c (the runtime's
-    :meth:`~split_layer.runtime.SplitStrategy.visit_groups`: one client per group); each
+    :meth:`~strategies.base.SplitStrategy.visit_groups`: one client per group); each
     iteration = forward on A_k, G_k and one SGD step of w_s on L_k; the bottoms are then
     |D_k|-averaged;
 
@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from split_layer.cut import load_top_state, top_state_keys
-from split_layer.runtime import SplitStrategy
+from .base import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.worker import SplitClientHooks, make_split_handlers, seeded
 from tasks.aggregate import weighted_mean

@@ -97,7 +97,7 @@ from flwr.app import ConfigRecord
 
 from split_layer.cut import bottom_state, load_bottom_state, resolve_cut, split_model
 from split_layer.records import algo_config, label_consent, model_to_record, numpy_to_record
-from split_layer.runtime import SplitStrategy
+from .base import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.validation import TensorSpec
 from split_layer.worker import SplitClientHooks, Worker, make_split_handlers

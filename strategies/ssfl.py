@@ -35,7 +35,7 @@ One communication period of T local iterations (§2) = one Flower round:
      ``w_avg = (1/S) sum_i w_avg,i``; group G_i is sent w_avg,i next round and the
      server continues from w_avg. Groups are fixed and contiguous in the users'
      ``partition-id`` (§10.4), learned once per node with the library's ``node-info`` query
-     (:meth:`split_layer.rounds.SSLStrategy.learn_partitions`).
+     (:meth:`strategies.base.BaseStrategy.learn_partitions`).
      A group without participants this round has w_avg,i = w_s (authors' code).
 
    BatchNorm buffers never travel: each user keeps its own running statistics in
@@ -99,7 +99,7 @@ from split_layer.records import (
     numpy_to_record,
     record_to_numpy,
 )
-from split_layer.rounds import SSLStrategy
+from .base import BaseStrategy
 from tasks.aggregate import (
     contiguous_groups,
     grouped_average,
@@ -275,7 +275,7 @@ def client_train(msg: Message, context: Context) -> Message:
 
 
 # --------------------------------------------------------------------------- server side
-class SSFLStrategy(SSLStrategy):
+class SSFLStrategy(BaseStrategy):
     """SSFL (Zhang et al. 2020): CRL users, labeled server, averaging incl. the server."""
 
     label_mode = "server"

@@ -111,7 +111,7 @@ from split_layer.records import (
     query,
     record_to_numpy,
 )
-from split_layer.rounds import SSLStrategy
+from .base import BaseStrategy
 from tasks.aggregate import personalized_weighted
 from tasks.config import ConfigError, knob
 from tasks.env import Env
@@ -459,7 +459,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
 
 # =============================================================================== server side
-class PersonalizedEvalStrategy(SSLStrategy):
+class PersonalizedEvalStrategy(BaseStrategy):
     """Shared server side of every variant: dir2 partition with per-client test splits, and
     per-client evaluation (``evaluate`` messages) every ``eval-every`` rounds and at the end.
 

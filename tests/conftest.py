@@ -31,3 +31,22 @@ def sim_env(tmp_path, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return tmp_path
+
+
+@pytest.fixture
+def refusals():
+    """Warnings of the ``flwr`` logger (where the split stream logs each refusal and its reason)."""
+    import logging
+
+    got: list[str] = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    h = H(logging.WARNING)
+    logging.getLogger("flwr").addHandler(h)
+    try:
+        yield got
+    finally:
+        logging.getLogger("flwr").removeHandler(h)

@@ -142,7 +142,7 @@ def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
     from flower_apps.client_app import dispatch
     from flower_apps.results import RunFolder
     from flower_apps.simulate import fused_run_config
-    from split_layer.rounds import SSLStrategy
+    from strategies.base import BaseStrategy
     from split_layer.transport import LocalGrid
 
     cfg = {**fused_run_config(None), **FULL, "num-rounds": 3, "seed": 3, "model": "mlp",
@@ -152,20 +152,20 @@ def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
     class Died(Exception):
         pass
 
-    real_round = SSLStrategy.run_round
+    real_round = BaseStrategy.run_round
 
     def dies_in_round_2(self, rnd, grid):
         if rnd == 2:
             raise Died
         return real_round(self, rnd, grid)
 
-    monkeypatch.setattr(SSLStrategy, "run_round", dies_in_round_2)
+    monkeypatch.setattr(BaseStrategy, "run_round", dies_in_round_2)
     with pytest.raises(Died):
         server_app.run(LocalGrid(3, dispatch, run_config=cfg), cfg)
     folder = tmp_path / "resume-fedavg"
     killed_rows = rows_of(folder)
     assert RunFolder(folder).last_checkpoint_round() == 1 and [r["round"] for r in killed_rows] == [1]
-    monkeypatch.setattr(SSLStrategy, "run_round", real_round)
+    monkeypatch.setattr(BaseStrategy, "run_round", real_round)
     server_app.run(LocalGrid(3, dispatch, run_config=cfg), {**cfg, "resume": True})
     rows = rows_of(folder)
     assert [r["round"] for r in rows] == [1, 2, 3], rows   # none lost, none repeated
@@ -203,10 +203,11 @@ class _Grid:
 
 
 def test_exchange_drops_error_and_missing_replies():
-    from split_layer.rounds import RoundPolicy, SSLStrategy
+    from split_layer.rounds import RoundPolicy
+    from strategies.base import BaseStrategy
     from tasks.config import TaskConfig
 
-    s = SSLStrategy(TaskConfig(), None, "fedavg", RoundPolicy(round_timeout=0.3))
+    s = BaseStrategy(TaskConfig(), None, "fedavg", RoundPolicy(round_timeout=0.3))
     t0 = time.time()
     good = s.exchange(_Grid(), [_Msg(1), _Msg(2), _Msg(3)])
     assert [r.metadata.reply_to_message_id for r in good] == ["m1"]

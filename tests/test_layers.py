@@ -47,3 +47,19 @@ def test_the_example_app_uses_the_public_api_only():
             if top == "flower_apps":
                 bad.append(f"{path.relative_to(ROOT)}:{line}")
     assert not bad, bad
+
+
+def test_the_base_strategy_lives_with_the_strategies():
+    """``split_layer/`` defines no Flower Strategy (issue 25): the base strategy and its round
+    loop are ``strategies.base``'s; the split layer states what it needs (``RoundHost``)."""
+    bad = []
+    for path in sorted((ROOT / "split_layer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+                if node.name.endswith("Strategy") or "Strategy" in bases:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}")
+    assert not bad, bad
+    from split_layer.runtime import SplitRuntime
+    from strategies.base import BaseStrategy, SplitStrategy
+    assert SplitStrategy.__mro__[1:3] == (SplitRuntime, BaseStrategy)

@@ -13,7 +13,7 @@ from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.cut import bottom_state
 from split_layer.rounds import RoundPolicy
-from split_layer.runtime import SplitStrategy
+from strategies.base import SplitStrategy
 from split_layer.transport import TENSORS_KEY, LocalGrid
 from split_layer.validation import (
     SplitValidationError,

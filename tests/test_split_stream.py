@@ -242,11 +242,11 @@ def test_other_ops_go_through_flower_messages():
 
     grid = LocalGrid(K, handler)
     from split_layer.rounds import (
-        SSLStrategy,  # FlowerTransport needs strategy.exchange
+        BaseStrategy,  # FlowerTransport needs strategy.exchange
     )
 
     class S(Owner):
-        exchange = SSLStrategy.exchange
+        exchange = BaseStrategy.exchange
         policy = RoundPolicy(round_timeout=5)
 
         def __init__(self):

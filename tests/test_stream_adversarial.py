@@ -16,7 +16,6 @@ by itself (every socket, channel and server it opens is closed in ``finally``):
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -57,23 +56,6 @@ class Owner:
 
     def drop(self, node, why):
         self.dropped.append((node, why))
-
-
-@pytest.fixture
-def refusals():
-    """Warnings of the ``flwr`` logger (where the stream logs each refusal and its reason)."""
-    got: list[str] = []
-
-    class H(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    h = H(logging.WARNING)
-    logging.getLogger("flwr").addHandler(h)
-    try:
-        yield got
-    finally:
-        logging.getLogger("flwr").removeHandler(h)
 
 
 def raw_call(address: str, metadata=(), frames=(), hold: threading.Event | None = None,

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import resource
 import socket
@@ -37,32 +36,16 @@ from split_layer import stream_guard
 from split_layer.stream import METHOD, NODE_HEADER, TOKEN_HEADER, StreamConfigError, StreamOptions, _Server
 from split_layer.stream_guard import LOG_PER_REASON, MAX_CALLERS, REASONS, RefusalLog
 from split_layer.transport import LocalGrid
+from tests.flower_harness import free_port
 
 ATTACKER = Path(__file__).with_name("stream_attacker.py")
 BASE = ("algo='scala' model='cnn' norm='bn' dropout=0.5 partition='quantity' partition-classes-per-client=4 "
         "seed=3 scala.local-iterations=3 scala.total-batch=40 lr=0.05 momentum=0.9 min-nodes=2")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def warnings_of_flwr():
-    got: list[str] = []
-
-    class H(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    h = H(logging.WARNING)
-    logging.getLogger("flwr").addHandler(h)
-    try:
-        yield got
-    finally:
-        logging.getLogger("flwr").removeHandler(h)
+def warnings_of_flwr(refusals):
+    return refusals   # the flwr logger's warnings (tests/conftest.py)
 
 
 def open_fds() -> int:
@@ -87,6 +70,7 @@ from flower_apps import server_app
 from flower_apps.client_app import dispatch
 from split_layer.stream import StreamOptions, _Server
 from split_layer.transport import LocalGrid
+from tests.flower_harness import free_port
 cfg = json.loads(sys.argv[1])
 probe = _Server(StreamOptions(), [], expected=3)     # the cap a round of 3 sampled nodes gets here
 print(json.dumps({"cap": probe.capacity}), flush=True)
