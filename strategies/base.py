@@ -155,6 +155,11 @@ class BaseStrategy(Strategy):
         self.num_rounds = 0                        # start()'s num_rounds: the horizon of schedules
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
         self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
+        if self.user is not None:
+            # the user's model and data are all there is to check: every setup error (missing
+            # labeled_data, a model the algorithm cannot use, bad images) is raised here, in the
+            # constructor, not at the first round of a run
+            self.setup(None)
 
     # ------------------------------------------------------------------ setup
     def setup(self, grid: Grid | None) -> None:

@@ -73,7 +73,9 @@ class SupervisedOnlyStrategy(BaseStrategy):
     def setup_algorithm(self) -> None:
         if len(self.env.server_labeled()) == 0:
             from tasks.config import ConfigError
-            raise ConfigError("supervised-only needs server-labels > 0 (N_s labeled samples on the server)")
+            raise ConfigError("supervised-only needs labeled data on the server: labeled_data=(x, y)"
+                              if self.user is not None else
+                              "supervised-only needs server-labels > 0 (N_s labeled samples on the server)")
         self.optimizer = make_sgd(self.model.parameters(), self.task)
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:

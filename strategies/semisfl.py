@@ -551,7 +551,9 @@ class SemiSFLStrategy(SplitStrategy):
 
     def setup_split(self) -> None:
         if len(self.env.server_labeled()) == 0:
-            raise ConfigError("semisfl needs server-labels > 0 (the labeled set D_l on the server)")
+            raise ConfigError("semisfl needs the labeled set D_l on the server: labeled_data=(x, y)"
+                              if self.user is not None else
+                              "semisfl needs server-labels > 0 (the labeled set D_l on the server)")
         t = self.task
         self.core = SemiSFLServer(self.model, self.cfg, cut=self.cut, labeled=self.env.server_labeled(),
                                   augmenter=self.env.augmenter, device=self.env.device, lr=t.lr,

@@ -281,19 +281,20 @@ class SSFLStrategy(BaseStrategy):
     label_mode = "server"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.user is None and self.task.server_labels <= 0:
-            raise ConfigError("ssfl needs server-labels > 0 (N_s class-balanced labeled samples on the server)")
-        self.period = 0
+        self.period = 0   # (set before the base's __init__, which sets a user's model up)
         self.keys: list[str] = []
         self.classifier_keys: list[str] = []
         self.group_params: list[dict[str, np.ndarray]] | None = None
+        super().__init__(*args, **kwargs)
+        if self.user is None and self.task.server_labels <= 0:
+            raise ConfigError("ssfl needs server-labels > 0 (N_s class-balanced labeled samples on the server)")
 
     # ---------------------------------------------------------------- setup
     def setup_algorithm(self) -> None:
         if len(self.env.server_labeled()) == 0:
-            raise ConfigError("ssfl needs labeled data on the server (run config: server-labels > 0; "
-                              "your own data: labeled_data=(x, y))")
+            raise ConfigError("ssfl needs labeled data on the server: labeled_data=(x, y) (run config: "
+                              "server-labels > 0)" if self.user is not None else
+                              "ssfl needs labeled data on the server (run config: server-labels > 0)")
         self.keys = trainable_keys(self.model)
         prefix = classifier_prefix(self.model)
         self.classifier_keys = [k for k in self.keys if k.startswith(prefix)]
@@ -304,7 +305,7 @@ class SSFLStrategy(BaseStrategy):
         else:
             sizes = self.env.client_unlabeled_sizes()
             if sizes is None:
-                raise ConfigError("ssfl with your own data: set local_steps (the communication period K, in "
+                raise ConfigError("ssfl with your own data: set local_steps=K (the communication period, in "
                                   "steps); the server does not know the nodes' data sizes for local_epochs")
             self.period = max(1, t.local_epochs * math.ceil(float(np.mean(sizes)) / t.batch_size))
 

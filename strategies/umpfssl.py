@@ -472,10 +472,10 @@ class PersonalizedEvalStrategy(BaseStrategy):
     with_client_test = True
 
     def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.last_eval: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}    # (set before the base's __init__, which sets a user's model up)
         self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
         self.counts: dict[str, int] = {}
+        super().__init__(*a, **kw)
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
         """What node needs to rebuild its model for evaluation (override)."""
@@ -543,7 +543,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
     def setup_algorithm(self) -> None:
         if not has_dropout(self.model):
             raise ConfigError("algo=umpfssl needs a model with dropout > 0 for MC-dropout (the paper uses "
-                              "dropout=0.5; run config: dropout=0.5; your own model: an nn.Dropout layer)")
+                              "dropout=0.5): model= needs an nn.Dropout layer (run config: dropout=0.5)")
         self.pool: dict[int, tuple[int, dict[str, np.ndarray]]] = {}       # pid -> (version, state)
         self.archive: dict[tuple[int, int], dict[str, np.ndarray]] = {}   # older referenced versions
         self.refs: dict[int, list[tuple[int, int]]] = {}                   # pid -> non-self (id, version)

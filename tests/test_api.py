@@ -144,16 +144,14 @@ def test_a_node_without_the_data_its_algorithm_needs_is_dropped_with_the_reason(
     assert "FedAvgClient: this node has no labeled data; it needs: labeled" in caplog.text
 
 
-def test_a_model_split_learning_cannot_cut_is_refused_before_any_round():
+def test_a_model_split_learning_cannot_cut_is_refused_by_the_constructor():
     from strategies.scala import ScalaStrategy
 
-    s = ScalaStrategy(model=_Tiny(), test_data=_sets(9))
     with pytest.raises(ConfigError, match="model: a split algorithm needs a StagedModel, a \\(bottom, top\\) pair"):
-        s.start(LocalGrid(2, lambda m, c: None), num_rounds=1)
-    s = ScalaStrategy(model=nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), cut="9",
-                      test_data=_sets(9))
+        ScalaStrategy(model=_Tiny(), test_data=_sets(9))
     with pytest.raises(ConfigError, match="cut='9': an nn.Sequential is cut after one of its children; allowed: 0, 1, 2"):
-        s.start(LocalGrid(2, lambda m, c: None), num_rounds=1)
+        ScalaStrategy(model=nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), cut="9",
+                      test_data=_sets(9))
 
 
 def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
@@ -166,18 +164,31 @@ def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
         client_app(FedAvgClient(_Tiny(), {}), FedAvgClient(_Tiny(), {}))
 
 
-def test_what_a_users_setup_lacks_is_named_before_any_round():
-    from strategies.ssfl import SSFLStrategy
-    from strategies.umpfssl import UMPFSSLStrategy
-
-    grid = LocalGrid(2, lambda m, c: None)
-    with pytest.raises(ConfigError, match="ssfl with your own data: set local_steps"):
-        SSFLStrategy(model=_Tiny(), labeled_data=_sets(1), local_steps=0, local_epochs=1).start(grid, num_rounds=1)
-    with pytest.raises(ConfigError, match="ssfl needs labeled data on the server"):
-        SSFLStrategy(model=_Tiny(), test_data=_sets(1), local_steps=2).start(grid, num_rounds=1)
-    with pytest.raises(ConfigError, match="needs a model with dropout > 0 for MC-dropout"):
-        UMPFSSLStrategy(model=_Tiny(), num_classes=3).start(grid, num_rounds=1)
-    assert not grid.sent  # nothing reached a node
+@pytest.mark.parametrize("build, match", [
+    (lambda: __import__("strategies.ssfl", fromlist=["x"]).SSFLStrategy(
+        model=_Tiny(), labeled_data=_sets(1), local_steps=0, local_epochs=1),
+     "ssfl with your own data: set local_steps=K"),
+    (lambda: __import__("strategies.ssfl", fromlist=["x"]).SSFLStrategy(model=_Tiny(), test_data=_sets(1), local_steps=2),
+     r"ssfl needs labeled data on the server: labeled_data=\(x, y\)"),
+    (lambda: __import__("strategies.semisfl", fromlist=["x"]).SemiSFLStrategy(
+        model=(nn.Sequential(nn.Flatten(), nn.Linear(64, 8)), nn.Linear(8, 3)), test_data=_sets(1)),
+     r"semisfl needs the labeled set D_l on the server: labeled_data=\(x, y\)"),
+    (lambda: __import__("strategies.fedavg", fromlist=["x"]).SupervisedOnlyStrategy(model=_Tiny(), test_data=_sets(1)),
+     r"supervised-only needs labeled data on the server: labeled_data=\(x, y\)"),
+    (lambda: __import__("strategies.umpfssl", fromlist=["x"]).UMPFSSLStrategy(model=_Tiny(), num_classes=3),
+     "needs a model with dropout > 0 for MC-dropout .*model= needs an nn.Dropout layer"),
+    (lambda: __import__("strategies.fedavg", fromlist=["x"]).FedAvgStrategy(
+        model=_Tiny(), test_data=(np.zeros((4, 1, 8, 6), np.float32), np.zeros(4, np.int64))),
+     r"images must be square"),
+], ids=["ssfl-local-steps", "ssfl-labeled-data", "semisfl-labeled-data", "supervised-only-labeled-data",
+        "umpfssl-dropout", "non-square-images"])
+def test_what_a_users_setup_lacks_is_raised_by_the_constructor(build, match, monkeypatch):
+    """Each error a user's model and data can cause is raised by the strategy's constructor,
+    naming the keyword, before any Flower call (issue 25)."""
+    import flwr.serverapp
+    monkeypatch.setattr(flwr.serverapp.Grid, "push_messages", lambda *a, **k: pytest.fail("a Flower call"))
+    with pytest.raises(ConfigError, match=match):
+        build()
 
 
 def test_nodes_without_a_partition_id_take_part_and_are_sampled():
