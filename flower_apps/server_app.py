@@ -37,17 +37,6 @@ def resolved_config(parsed: ParsedConfig) -> dict:
     return cfg
 
 
-def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_rounds: int) -> str:
-    eta = elapsed / max(done_rounds, 1) * (total - rnd)
-    acc = metrics.get("accuracy", float("nan"))
-    loss = metrics.get("loss", float("nan"))
-    extra = f" | dropped {metrics['dropped']}" if metrics.get("dropped") else ""
-    if metrics.get("skipped"):
-        extra += " | SKIPPED"
-    return (f"round {rnd}/{total} | acc {acc:.4f} | loss {loss:.4f} | "
-            f"{metrics.get('round-seconds', 0.0):.1f}s | ETA {eta:.0f}s{extra}")
-
-
 def user_keys(grid: Grid) -> set[str] | None:
     """The run-config keys the user set for this run (``flwr run --run-config``), or None
     where the grid does not know its run."""
@@ -98,7 +87,6 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
         metrics["wall-seconds"] = time.time() - t_start
         folder.append_metrics(rnd, metrics)
         folder.save_checkpoint(rnd, strategy.state_dict())
-        log(INFO, progress_line(rnd, app_cfg.num_rounds, metrics, time.time() - t_start, rnd - done))
 
     strategy.start(grid, num_rounds=app_cfg.num_rounds, start_round=done + 1, on_round_end=on_round_end)
     folder.save_model(strategy.eval_model().state_dict())

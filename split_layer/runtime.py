@@ -121,7 +121,21 @@ class SplitRuntime:
         return FlowerTransport(self, grid)
 
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
-        self.round_batch = {n: self.task.batch_size for n in nodes}
+        self.round_batch = {n: self.node_batch(n) for n in nodes}
+
+    def node_batch(self, node: int) -> int:
+        """The task's batch size, or all of ``node``'s samples where it has fewer (a batch larger
+        than a node's data is one full batch, logged once per node, never an allocation of
+        the asked size)."""
+        b, n = int(self.task.batch_size), int(self.info.get(node, {}).get("n", 0))
+        if 0 < n < b:
+            warned = self.__dict__.setdefault("_batch_warned", set())
+            if node not in warned:
+                warned.add(node)
+                log(WARNING, "batch-size=%d is larger than node %s's %d samples: it trains on batches of %d",
+                    b, node, n, n)
+            return n
+        return b
 
     def visit_groups(self, server_round: int, nodes: list[int]) -> list[list[int]]:
         """The groups in which ``nodes`` visit the server part, one group after another.
@@ -249,8 +263,9 @@ class SplitRuntime:
                 self.round_batch[node] = old
 
     def max_batch(self, node: int) -> int:
-        """The largest ``split-batch`` ``begin_round`` can give ``node`` (default: the task's batch size)."""
-        return int(self.task.batch_size)
+        """The largest ``split-batch`` ``begin_round`` can give ``node`` (default: the task's batch
+        size, at most the node's samples)."""
+        return self.node_batch(node)
 
     def _run_round(self, server_round: int, grid: Grid, transport: Transport) -> dict[str, Any]:
         sampled = self.sample_nodes(grid, server_round)

@@ -455,6 +455,7 @@ class BaseStrategy(Strategy):
 
         if start_round == 1:
             result.evaluate_metrics_serverapp[0] = MetricRecord(_metric_safe(server_eval(0)))
+        t_start = time.time()
         for rnd in range(start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
@@ -468,6 +469,7 @@ class BaseStrategy(Strategy):
             result.evaluate_metrics_serverapp[rnd] = MetricRecord(_metric_safe(ev))
             if on_round_end is not None:
                 on_round_end(rnd, metrics)
+            log(INFO, "%s", progress_line(rnd, num_rounds, metrics, time.time() - t_start, rnd - start_round + 1))
         result.arrays = self.result_arrays()
         return result
 
@@ -475,3 +477,15 @@ class BaseStrategy(Strategy):
 class SplitStrategy(SplitRuntime, BaseStrategy):
     """The base of split algorithms: :class:`BaseStrategy`'s loop with the split layer's round
     (:class:`split_layer.runtime.SplitRuntime`: begin, I fused exchanges, end, aggregate)."""
+
+
+def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_rounds: int) -> str:
+    """The one line per round every app using a strategy logs (Flower's log, ``flwr run --stream``)."""
+    eta = elapsed / max(done_rounds, 1) * (total - rnd)
+    acc = metrics.get("accuracy", float("nan"))
+    loss = metrics.get("loss", float("nan"))
+    extra = f" | dropped {metrics['dropped']}" if metrics.get("dropped") else ""
+    if metrics.get("skipped"):
+        extra += " | SKIPPED"
+    return (f"round {rnd}/{total} | acc {acc:.4f} | loss {loss:.4f} | "
+            f"{metrics.get('round-seconds', 0.0):.1f}s | ETA {eta:.0f}s{extra}")

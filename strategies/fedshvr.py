@@ -39,8 +39,10 @@ Per round t (Algorithm 1):
        g = grad[ CE(y, f(x)) + alpha0(t) CE(v, f(u)) + alpha2 KL(f(u) || u) ]   (batch means)
        theta <- theta - eta (g - d_k^t)
 
-   (the step is the task's SGD optimizer on the corrected gradient ``g - d_k``; the paper
-   uses plain SGD: ``momentum=0``, ``weight-decay=0``, as ``conf/fedshvr-mnist5k.toml``).
+   (the step is the task's SGD optimizer on the corrected gradient ``g - d_k``). The paper
+   uses plain SGD, momentum 0 and weight decay 0, as ``conf/fedshvr-mnist5k.toml`` does; the
+   library's task default is momentum 0.9 (every algorithm shares ``momentum``), so pass
+   ``momentum=0.0`` (run config: ``momentum=0.0``) for the paper's optimizer.
 
 Client state (``context.state``), kept minimal -- two model-sized ArrayRecords:
 

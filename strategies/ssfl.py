@@ -228,7 +228,8 @@ def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: i
         correct += float(((pseudo == yb).to(mask.dtype) * mask).sum())
         counts = torch.bincount(pseudo[mask > 0].long())
         hist = counts.cpu() if hist is None else _add_hist(hist, counts.cpu())
-    out = {"train-loss": total / max(seen, 1), "num-examples": float(seen),
+    # no confident pseudo-label all period: the loss had nothing to measure (not 0: absent)
+    out = {**({"train-loss": total / max(seen, 1)} if kept > 0 else {}), "num-examples": float(seen),
            "mask-rate": kept / max(seen, 1), "pseudo-kept": kept,
            "pseudo-hist": [float(v) for v in (hist.tolist() if hist is not None else [])]}
     if data.labels_known:  # a user's unlabeled images have no hidden labels to compare with
@@ -369,7 +370,9 @@ class SSFLStrategy(BaseStrategy):
                                seed=derive_seed(self.task.seed, "ssfl-server", server_round), lr_fn=lr_fn)
         out.update(self.aggregate_users(users, {n: sent[n] for n in users}))
         n_ex = np.array([m["num-examples"] for m in mets])
-        out["train-loss"] = float(np.average([m["train-loss"] for m in mets], weights=n_ex))
+        told = [(m["train-loss"], m["num-examples"]) for m in mets if "train-loss" in m]
+        if told:   # (users with no confident pseudo-label measured no loss)
+            out["train-loss"] = float(np.average([v for v, _ in told], weights=[w for _, w in told]))
         out["mask-rate"] = float(sum(m["pseudo-kept"] for m in mets) / max(n_ex.sum(), 1.0))
         # label-derived metrics come from the users that consented (records.label_consent); a
         # metric no user reported is left out (not reported), never 0

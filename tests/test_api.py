@@ -223,3 +223,16 @@ def test_metrics_against_hidden_labels_are_not_reported_for_images_without_label
     assert d.labels_known and not as_dataset(np.zeros((3, 1, 4, 4), np.uint8)).labels_known
     t = as_dataset(torch.utils.data.TensorDataset(torch.zeros(3, 1, 4, 4), torch.arange(3)))
     assert t.x.shape == (3, 1, 4, 4) and t.y.tolist() == [0, 1, 2]
+
+
+def test_an_app_that_embeds_a_strategy_logs_one_progress_line_per_round(caplog):
+    import logging
+
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+    client = FedAvgClient(_Tiny(), lambda ctx: {"labeled": _sets(int(ctx.node_config["partition-id"]))})
+    s = FedAvgStrategy(model=_Tiny(), test_data=_sets(9), local_steps=1, batch_size=8)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        s.start(LocalGrid(2, client.handle), num_rounds=2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert [line.split(" | ")[0] for line in lines] == ["round 1/2", "round 2/2"], lines
+    assert all(" | acc 0." in line for line in lines)

@@ -216,3 +216,19 @@ def test_stream_with_too_few_concurrent_clientapps_fails_with_the_setting(tmp_pa
     with pytest.raises(StreamConfigError, match=r"all 3 sampled clients.*at most 2 ClientApps.*"
                                                 r"init-args-num-cpus=3 client-resources-num-cpus=1"):
         run_simulation_inprocess(cfg, tmp_path / "results", 3, "too-few", client_cpus=(os.cpu_count() or 2) / 2)
+
+
+def test_a_batch_larger_than_a_nodes_data_is_one_full_batch_with_a_warning(caplog):
+    """batch-size=10,000,000 (issue 25: each Semi-SFL node allocated for that batch until Ray
+    killed it): every node trains on all of its samples, logged once per node."""
+    import logging
+
+    from tests.test_conformance import build, run
+    s, grid = build("semisfl", **{"batch-size": 10_000_000})
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        res, rows = run(s, grid, rounds=2)
+    assert all(r["dropped"] == [] and not r.get("skipped") for r in rows), rows
+    sizes = {n: s.info[n]["n"] for n in s.info}
+    assert s.round_batch == {n: sizes[n] for n in s.round_batch} and max(sizes.values()) < 10_000
+    said = [r.getMessage() for r in caplog.records if "batch-size=10000000 is larger" in r.getMessage()]
+    assert len(said) == len(sizes), said   # once per node, not once per round

@@ -234,3 +234,13 @@ def test_user_period_reports_the_class_histogram_of_its_confident_pseudo_labels(
     assert m["pseudo-kept"] == m["num-examples"] == sum(m["pseudo-hist"]) > 0
     assert m["pseudo-hist"] == [0.0, m["pseudo-kept"]]
     assert m["pseudo-correct"] == 0  # the (hidden) labels are all 0: diagnostics only
+
+
+def test_a_period_without_a_confident_pseudo_label_reports_no_train_loss():
+    """Every pseudo-label masked: the users' loss measured nothing, so it is not reported
+    (it read 0.0, which looked like a bug, issue 25); mask-rate 0 says why."""
+    from tests.test_conformance import build, run
+    s, grid = build("ssfl", **{"ssfl.tau": 1.0})
+    res, rows = run(s, grid, rounds=1)
+    (m,) = rows
+    assert m["mask-rate"] == 0.0 and "train-loss" not in m and m["participants"] > 0
