@@ -35,8 +35,8 @@ class RoundPolicy:
     wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
     split_transport: str = knob("message", choices=("message", "stream"),
                                 help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
-                                     "gRPC stream the ServerApp hosts per round (Flower still starts and ends each "
-                                     "client's round); see docs/split.md")
+                                     "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "
+                                     "which spans the run or one round: split-stream-session); see docs/split.md")
     stream: Any = None                 # split_layer.stream.StreamOptions for "stream" (None = defaults)
 
 

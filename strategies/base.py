@@ -370,6 +370,21 @@ class BaseStrategy(Strategy):
         return out
 
     # ------------------------------------------------------------------ evaluation
+    def test_transform(self, x: Any) -> torch.Tensor:
+        """The exact input the library's evaluation feeds the model, for images ``x`` in any
+        form the API takes (numpy or torch, uint8 or float in [0, 1], ``[N, C, H, W]`` or
+        ``[N, H, W]``): stored as uint8 (floats rounded to steps of 1/255), then the
+        augmenter's test view, ``(x / 255 - mean) / std`` per channel (default mean = std =
+        0.5; choose with ``augmenter=tasks.augment.Augmenter(C, H, mean=..., std=...)``).
+        Use it in an ``evaluate_fn`` to measure what the library measures:
+        ``net(strategy.test_transform(x)).argmax(1)``. On the CPU; move it where your model is."""
+        from tasks.data import as_dataset
+
+        if self.env is None:   # (a user's model sets the strategy up in its constructor)
+            raise RuntimeError("test_transform needs the library's data set up: call it after start()")
+        images = as_dataset(x, "x").x
+        return self.env.augmenter.test(torch.from_numpy(images))
+
     def eval_model(self) -> torch.nn.Module:
         """The model whose test accuracy is the run's result (override: e.g. EMA teacher)."""
         return self.model
