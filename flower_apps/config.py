@@ -108,7 +108,8 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
     contradicts the chosen variant's fixed switches is an error even at its default value
     (:meth:`strategies.registry.AlgorithmSpec.parse_config`)."""
     flat = dict(raw)
-    import_modules(str(flat.get("algo-modules", "")))   # algorithms from outside the library register now
+    if isinstance(flat.get("algo-modules", ""), str):   # (a wrong type is the typed parser's error below)
+        import_modules(flat.get("algo-modules", ""))   # algorithms from outside the library register now
     allowed_top = _top_level_keys()
     spaces = namespaces()
     for k in flat:

@@ -144,3 +144,9 @@ def flwr_cli(args: list[str], env: dict[str, str], timeout: float = 600, cwd: Pa
              ) -> subprocess.CompletedProcess:
     flwr = str(Path(sys.executable).parent / "flwr")
     return subprocess.run([flwr, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts of torch tensors (same keys)."""
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)

@@ -143,7 +143,7 @@ def test_hf_only_keys_with_the_embedded_dataset(key):
         preflight(parsed(**{key: "x"}))
 
 
-@pytest.mark.parametrize("algo", [a for a in ("scala", "fedavg") if a in algorithm_names()])
+@pytest.mark.parametrize("algo", ["scala", "fedavg"])   # (renamed: the test fails, never runs nothing)
 def test_cut_point_that_does_not_exist(algo):
     with pytest.raises(ConfigError) as e:
         preflight(parsed(algo=algo, model="cnn", cut="conv9"))

@@ -5,6 +5,8 @@ import copy
 
 import numpy as np
 import pytest
+
+from tests.flower_harness import max_diff
 import torch
 import torch.nn.functional as F
 
@@ -253,9 +255,6 @@ def _v2_reference(extra: str = "", fail: tuple[int, int] | None = None) -> dict[
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _max_diff(a, b) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
 class _Visits(ScalaStrategy):
@@ -296,11 +295,11 @@ def test_splitfed_v2_equals_sequential_reference():
     assert all(r["participants"] == V2_K and r["dropped"] == [] and "skipped" not in r for r in rows)
     assert all(r["split-exchanges"] == V2_K * (V2_I + 1) for r in rows)
     ref = _v2_reference()
-    d = _max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
+    d = max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
     assert d <= 1e-5, f"max abs diff {d}"
     from tasks.env import library_env
     init = library_env(_v2_parsed().task, V2_K, "all").build_model().state_dict()
-    assert _max_diff(init, ref) > 1e-3   # the check can fail: an untrained model is far off
+    assert max_diff(init, ref) > 1e-3   # the check can fail: an untrained model is far off
     # the visits followed the seeded order, each node alone for its I iterations
     part = _partition_of(grid)
     for rnd in range(1, V2_ROUNDS + 1):
@@ -364,7 +363,7 @@ def test_splitfed_v2_node_failing_mid_round_is_dropped_and_the_others_aggregated
         assert r["dropped"] == failed and r["participants"] == V2_K - 1 and "skipped" not in r
         assert len(r["batch-sizes"]) == V2_K - 1 and np.isfinite(r["accuracy"])
     ref = _v2_reference(extra, fail=(1, fault_step))
-    d = _max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
+    d = max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
     assert d <= 1e-5, f"max abs diff {d}"
 
 
@@ -399,7 +398,7 @@ def test_splitfed_v2_stream_transport_gives_the_message_weights_and_bytes():
     a, _, rows_a = _v2_run(transport="message")
     b, _, rows_b = _v2_run(transport="stream")
     assert all(r["participants"] == V2_K and r["dropped"] == [] for r in rows_b)
-    assert _max_diff(a.model.state_dict(), b.model.state_dict()) == 0.0
+    assert max_diff(a.model.state_dict(), b.model.state_dict()) == 0.0
     for ra, rb in zip(rows_a, rows_b):
         assert {k: v for k, v in ra.items() if k.startswith("bytes.")} == \
             {k: v for k, v in rb.items() if k.startswith("bytes.")}

@@ -64,7 +64,9 @@ def test_a_default_semisfl_run_sends_no_true_label(transport, monkeypatch):
     rows, replies, frames = run(transport, monkeypatch)
     (m,) = rows
     assert m["participants"] == K and m["dropped"] == []
-    assert replies and (transport == "message" or frames)
+    # every split step of every node was seen: K_u = 2 steps + the final reply, per node
+    steps = sum(r.metadata.message_type == "query.split" for r in replies)
+    assert (steps, len(frames)) == ((K * 3, 0) if transport == "message" else (K, K * 3)), (steps, len(frames))
     for r in replies:
         assert not r.has_error(), r.error
         c = r.content

@@ -40,6 +40,7 @@ from tasks.aggregate import weighted_mean
 from tasks.env import library_env
 from tasks.losses import logit_adjusted_ce
 from tasks.training import derive_seed, make_sgd, to_device_batch
+from tests.flower_harness import max_diff
 
 K = 3
 ROUNDS = 2
@@ -138,9 +139,6 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
 def run_local(algo: str, extra: str, transport: str = "message", tls: str = "auto"):

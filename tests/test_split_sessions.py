@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 import pytest
+
+from tests.flower_harness import max_diff
 import torch
 
 from flower_apps.client_app import dispatch
@@ -75,8 +77,6 @@ def state(s) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in s.model.state_dict().items()}
 
 
-def max_diff(a, b) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
 
 
 def test_a_run_opens_one_session_per_node_with_the_weights_of_every_other_path():

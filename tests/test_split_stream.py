@@ -241,9 +241,7 @@ def test_other_ops_go_through_flower_messages():
         return reply(msg, Envelope(config={"partition-id": 0}))
 
     grid = LocalGrid(K, handler)
-    from split_layer.rounds import (
-        BaseStrategy,  # FlowerTransport needs strategy.exchange
-    )
+    from strategies.base import BaseStrategy  # FlowerTransport needs strategy.exchange
 
     class S(Owner):
         exchange = BaseStrategy.exchange
