@@ -53,6 +53,9 @@ TINY = {"model": "mlp", "local-steps": 2, "batch-size": B, "server-labels": 40, 
         "umpfssl.warmup-epochs": 1, "umpfssl.mc-samples": 2, "umpfssl.helpers": 2, "umpfssl.replace": 1}
 
 INFO_ACTIONS = {"node-info", "split-info"}
+# what the servers make of label-derived reply metrics (tests/test_label_consent.py)
+LABEL_DERIVED_SERVER_SIDE = {"impurity", "pseudo-label-accuracy", "pl-acc", "pl-acc-unseen", "pseudo-main-class",
+                             "pseudo-main-share"}
 
 
 def config(algo: str, **over) -> dict:
@@ -96,9 +99,22 @@ def _fresh_plan_cache():
 
 # ----------------------------------------------------------------------------------- conditions
 @pytest.mark.parametrize("algo", ALGOS)
-def test_conformance_all_nodes_result(algo):
+def test_conformance_all_nodes_result(algo, monkeypatch):
+    from split_layer.records import LABEL_CONSENT_ENV
+    from strategies.registry import get_algorithm
+
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
     s, grid = build(algo)
+    replies = []
+    grid.handler = lambda msg, ctx: replies.append(dispatch(msg, ctx)) or replies[-1]
     res, rows = run(s, grid)
+    # no consent (the default): no reply carries a metric any algorithm computes from labels,
+    # and the server reports none of them (not reported, never 0)  (issue 24)
+    label_derived = {k for a in ALGOS for k in get_algorithm(a).label_metrics}
+    sent = {k for r in replies if not r.has_error() for rec in r.content.metric_records.values() for k in rec.keys()}
+    assert not sent & label_derived, sent & label_derived
+    assert not {k for r in rows for k in r} & LABEL_DERIVED_SERVER_SIDE
+    assert all(r.get("label-metrics-nodes", 0) == 0 for r in rows)
     assert [r.get("skipped", 0) for r in rows] == [0, 0]
     assert all(r["dropped"] == [] for r in rows), rows
     assert sorted(res.evaluate_metrics_serverapp) == [0, 1, 2]

@@ -93,9 +93,9 @@ def test_supernode_killed_mid_session(dep):
     name = "kill-node-scala-session"
     before = {i: dep.log(f"supernode{i}.out").count("Start `flwr-clientapp` process") for i in (0, 1)}
     # round 3 asks the killed node's old id, still listed until Flower's heartbeat expires
-    # (2 x 30 s, fixed in Flower): a 30 s round timeout drops it sooner, and is still far above
+    # (2 x 30 s, fixed in Flower): a 20 s round timeout drops it sooner, and is still far above
     # what one split exchange of this run takes
-    proc, _ = dep.submit({**SPLIT_SESSION, "num-rounds": 3, "round-timeout": 30.0, "min-nodes": 2,
+    proc, _ = dep.submit({**SPLIT_SESSION, "num-rounds": 3, "round-timeout": 20.0, "min-nodes": 2,
                           "seed": 2}, name)
     folder = dep.results / name
     try:
@@ -117,9 +117,10 @@ def test_supernode_killed_mid_session(dep):
     r1, r2, r3 = rows
     assert r1["participants"] == 3 and r1["dropped"] == []
     assert len(r2["dropped"]) == 1 and r2["participants"] == 2 and not r2.get("skipped"), r2
-    # the killed node is dropped for its broken stream (not by a timeout, not for another reason)
+    # in round 2 the killed node is dropped for its broken stream (not by a timeout); its stale id
+    # may be dropped again in round 3, as NODE_UNAVAILABLE (below)
     why = re.findall(rf"node {r2['dropped'][0]} dropped from round: ([^\n]*)", out)
-    assert why and all("before sending its" in w for w in why), (why, out[-3000:])
+    assert why and "before sending its" in why[0] and "within" not in why[0], (why, out[-3000:])
     assert round2_done < 30, f"round 2 ended {round2_done:.0f} s after the kill: the broken stream was not seen"
     assert r3["participants"] == 3 and not r3.get("skipped"), r3           # the restarted node is back
     assert r3["dropped"] in ([], r2["dropped"]), r3

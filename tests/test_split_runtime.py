@@ -226,7 +226,7 @@ def test_a_batch_larger_than_a_nodes_data_is_one_full_batch_with_a_warning(caplo
     from tests.test_conformance import build, run
     s, grid = build("semisfl", **{"batch-size": 10_000_000})
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        res, rows = run(s, grid, rounds=2)
+        res, rows = run(s, grid, rounds=2)   # (two rounds: the warning is once per node, not per round)
     assert all(r["dropped"] == [] and not r.get("skipped") for r in rows), rows
     sizes = {n: s.info[n]["n"] for n in s.info}
     assert s.round_batch == {n: sizes[n] for n in s.round_batch} and max(sizes.values()) < 10_000
