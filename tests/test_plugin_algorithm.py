@@ -112,7 +112,7 @@ def test_an_unknown_algorithm_names_algo_modules():
 def test_it_passes_the_conformance_matrix(toy, tmp_path, monkeypatch, caplog):
     """Every condition of tests/test_conformance.py, run for the new name."""
     matrix.task_env.plan_cached.cache_clear()
-    matrix.test_conformance_all_nodes_result(NAME)
+    matrix.test_conformance_all_nodes_result(NAME, monkeypatch)
     matrix.test_conformance_partial_participation(NAME)
     matrix.test_conformance_batchnorm_sets_of_batch_plus_one(NAME)
     matrix.test_conformance_initial_arrays(NAME)

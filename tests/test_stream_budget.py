@@ -99,7 +99,7 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
     port = free_port()
     cfg = {**fused_run_config([BASE]), "num-rounds": 3, "split-transport": "stream",
            "split-stream-session": "round", "split-stream-port": port, "results-dir": str(tmp_path),
-           "run-name": "attacked", "round-timeout": 30.0, "scala.local-iterations": 10}
+           "run-name": "attacked", "round-timeout": 30.0, "scala.local-iterations": 20}
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server = subprocess.Popen(["bash", "-c", f'ulimit -n 300 && exec "{sys.executable}" -c "$0" "$1"',
                                RUN_UNDER_LIMIT, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
