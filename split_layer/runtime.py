@@ -62,7 +62,6 @@ import torch
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from .rounds import RoundHost
 from tasks.aggregate import weighted_mean
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model

@@ -65,7 +65,6 @@ with :class:`StreamConfigError` saying which federation setting to change
 """
 from __future__ import annotations
 
-import collections
 import datetime as _dt
 import hmac
 import ipaddress

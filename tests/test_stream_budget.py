@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -30,12 +29,10 @@ import grpc
 import numpy as np
 import pytest
 
-from flower_apps.client_app import dispatch
 from flower_apps.simulate import fused_run_config
 from split_layer import stream_guard
 from split_layer.stream import METHOD, NODE_HEADER, TOKEN_HEADER, StreamConfigError, StreamOptions, _Server
 from split_layer.stream_guard import LOG_PER_REASON, MAX_CALLERS, REASONS, RefusalLog
-from split_layer.transport import LocalGrid
 from tests.flower_harness import free_port
 
 ATTACKER = Path(__file__).with_name("stream_attacker.py")
