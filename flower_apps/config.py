@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from split_layer.rounds import RoundPolicy
+from split_layer.stream_options import StreamOptions, stream_knobs
 from strategies.registry import (
     AlgorithmSpec,
     algorithm_names,
@@ -30,6 +31,8 @@ from tasks.config import (
     parse_dataclass,
 )
 
+STREAM_FIELD = "split_stream_"   # AppConfig's field of StreamOptions' knob ``x``: split_stream_x
+
 
 @dataclass
 class AppConfig:
@@ -46,33 +49,19 @@ class AppConfig:
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")
     split_transport: str = knob_of(RoundPolicy, "split_transport")
-    split_stream_host: str = knob("127.0.0.1", help="stream transport: address the ServerApp binds ('0.0.0.0' to "
-                                                    "accept remote SuperNodes; then set split-stream-advertise)")
-    split_stream_advertise: str = knob("", help="stream transport: address SuperNodes connect to ('' = "
-                                                "split-stream-host)")
-    split_stream_port: int = knob(0, lo=0, hi=65535, help="stream transport: port (0 = an ephemeral port per run, or per round with one-round sessions)")
-    split_stream_tls: str = knob("auto", choices=("auto", "on", "off"),
-                                 help="stream transport: TLS with a fresh self-signed certificate (per run, or per round with one-round sessions) shipped in "
-                                      "the Flower start message; auto = on unless the address SuperNodes dial "
-                                      "(split-stream-advertise, else split-stream-host) is a loopback address")
-    split_stream_session: str = knob("auto", choices=("auto", "run", "round"),
-                                     help="stream transport: how long a node's stream session lasts. run = many "
-                                          "rounds (one Flower message starts it; later rounds start on the "
-                                          "stream); round = one round; auto = run unless a simulation cannot "
-                                          "run every node's ClientApp at once")
-    split_stream_allow_plaintext: bool = knob(False, help="stream transport: accept split-stream-tls='off' when "
-                                                          "SuperNodes dial a non-loopback address (tokens, "
-                                                          "activations and gradients then cross the network in "
-                                                          "the clear; a warning is logged every run)")
+    # the split-stream-* keys: StreamOptions' knobs (their defaults, allowed values, help and rules)
+    split_stream_host: str = knob_of(StreamOptions, "host")
+    split_stream_advertise: str = knob_of(StreamOptions, "advertise")
+    split_stream_port: int = knob_of(StreamOptions, "port")
+    split_stream_tls: str = knob_of(StreamOptions, "tls")
+    split_stream_session: str = knob_of(StreamOptions, "session")
+    split_stream_allow_plaintext: bool = knob_of(StreamOptions, "allow_plaintext")
 
-    def stream_options(self):
-        """The stream transport's options (:class:`split_layer.stream.StreamOptions`: its rules
-        are checked there, once)."""
-        from split_layer.stream import StreamOptions
-
-        return StreamOptions(host=self.split_stream_host, advertise=self.split_stream_advertise,
-                             port=self.split_stream_port, tls=self.split_stream_tls, timeout=self.round_timeout,
-                             session=self.split_stream_session, allow_plaintext=self.split_stream_allow_plaintext)
+    def stream_options(self) -> StreamOptions:
+        """The stream transport's options (:class:`split_layer.stream_options.StreamOptions`: its
+        rules are checked there, once), with the run's ``round-timeout`` as every wait."""
+        return StreamOptions(timeout=self.round_timeout,
+                             **{f.name: getattr(self, STREAM_FIELD + f.name) for f, _ in stream_knobs()})
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():

@@ -8,6 +8,13 @@ Modules (algorithm-free; algorithms live in ``strategies/``):
 * :mod:`split_layer.worker` -- ``make_split_handlers(SplitClientHooks())``: the ClientApp
   worker (state in ``context.state``, exact recomputation, gradient validation).
 * :mod:`split_layer.transport` -- ``Transport``/``Envelope``; ``FlowerTransport`` (Flower
-  messages) and ``LocalGrid`` (in-process, tests and benchmarks).
+  messages), ``LocalGrid`` (in-process runs, tests and benchmarks), ``TRANSPORTS`` (the
+  ``split-transport`` choices).
+* :mod:`split_layer.stream` -- the gRPC stream transport (``StreamTransport``,
+  ``StreamClient``, ``StreamOptions``), re-exported from its modules ``stream_frames``,
+  ``stream_security``, ``stream_options``, ``stream_server``, ``stream_guard``,
+  ``stream_transport`` and ``stream_client``.
+* :mod:`split_layer.simulation` -- whether this process runs in Flower's simulation engine,
+  and how many ClientApps it runs at once.
 * :mod:`split_layer.validation` -- shape/dtype/NaN/Inf checks of tensors crossing the cut.
 """

@@ -1,7 +1,7 @@
 """The split stream server's connection budget and refusal accounting (issue 24).
 
 The stream endpoint is an open port: anyone who reaches it can connect and make calls.
-An unauthenticated call is refused before any frame is read (``split_layer.stream``), but a
+An unauthenticated call is refused before any frame is read (``split_layer.stream_server``), but a
 refused call alone leaves its connection open, and gRPC's own limits do not bound what a
 hostile peer can hold: the idle timeout restarts with every call, and nothing caps the
 number of connections or the descriptors they take. This module adds the budget:

@@ -10,8 +10,8 @@ a small config, reply metrics) through a :class:`Transport`: one call = one exch
   error replies and timeouts drop the node and land in the round's ``dropped``).
 * :func:`envelope_from_message` / :func:`reply` -- the same encoding on the ClientApp side.
 * :class:`LocalGrid` -- a Flower ``Grid`` look-alike that runs the ClientApp handler in
-  this process (no Ray, no SuperLink): used by the unit tests and by
-  ``bench/split_overhead.py`` to time the same rounds without Flower's runtime.
+  this process (no Ray, no SuperLink): in-process runs (``flower_apps.papers``), the unit
+  tests and ``bench/split_overhead.py`` (the same rounds without Flower's runtime).
 
 Record layout of a split message (all optional):
 ``split-tensors`` (ArrayRecord: the streams), ``split-arrays.<name>`` (ArrayRecord: a named
@@ -29,11 +29,16 @@ from typing import Any, Callable
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 
 from .records import CONFIG_KEY, METRICS_KEY, numpy_to_record, query, record_to_numpy
 
 __all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_from_message", "reply",
-           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY"]
+           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY", "TRANSPORTS"]
+
+# the transports a split algorithm's exchanges can take (run-config key ``split-transport``):
+# Flower messages (FlowerTransport) or the gRPC stream (split_layer.stream.StreamTransport)
+TRANSPORTS = ("message", "stream")
 
 TENSORS_KEY = "split-tensors"
 ARRAYS_PREFIX = "split-arrays."
@@ -121,26 +126,22 @@ class FlowerTransport(Transport):
 
 
 class LocalGrid:
-    """A minimal in-process stand-in for Flower's ``Grid`` (tests and benchmarks).
+    """A minimal in-process stand-in for Flower's ``Grid`` (in-process runs, tests, benchmarks).
 
     ``push_messages`` runs ``handler(msg, context)`` at once for each message with that
     node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
-    like the simulation engine); an exception becomes an error reply, as in Flower.
-    ``fail_nodes`` makes the listed nodes never answer (to test timeouts); ``fail_if(msg,
-    context)`` returning true turns that message's reply into an error (a node that crashed).
+    like the simulation engine). An exception in a handler becomes an error reply
+    (:meth:`error_reply`), worded as a Flower SuperNode words it.
     ``sent`` keeps every pushed message (to inspect what the server sent). ``node_ids``: the
     nodes' ids in partition order (default ``first_node_id + i``; random ids, as in Flower's
     simulation, test that nothing depends on their order). ``node_config``: extra node-config
-    entries of every node (e.g. ``state-dir``). An exception in a handler becomes an error
-    reply whose reason is worded as in Flower's simulation engine (the exception's type and
-    message at the end of a Ray traceback).
+    entries of every node (e.g. ``state-dir``).
     ``threaded=True`` runs each message's handler in its own thread (the stream transport
     needs every sampled node active at once, as Flower's runtimes provide).
     """
 
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
                  run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
-                 fail_if: Callable[[Message, Context], bool] | None = None,
                  node_ids: list[int] | None = None, node_config: dict | None = None) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
@@ -160,8 +161,6 @@ class LocalGrid:
                          node_config={**(node_config or {}), "partition-id": i, "num-partitions": num_nodes},
                          state=_RD(), run_config=dict(run_config or {}))
             for i, nid in enumerate(ids)}
-        self.fail_nodes: set[int] = set()
-        self.fail_if = fail_if
         self.sent: list[Message] = []
         self._replies: dict[str, Message] = {}
         self.pushed = 0
@@ -180,8 +179,6 @@ class LocalGrid:
             self.pushed += 1
             self.sent.append(m)
             node = m.metadata.dst_node_id
-            if node in self.fail_nodes:
-                continue
             if self.threaded:
                 t = threading.Thread(target=self._handle, args=(mid, m, node), daemon=True)
                 self._threads.append(t)
@@ -192,17 +189,16 @@ class LocalGrid:
 
     def _handle(self, mid: str, m: Message, node: int) -> None:
         try:
-            if self.fail_if is not None and self.fail_if(m, self.contexts[node]):
-                raise RuntimeError("injected failure (LocalGrid.fail_if)")
             r = self.handler(m, self.contexts[node])
-        except Exception:  # noqa: BLE001 - mirrors Flower's error reply
-            import traceback
-
-            tb = traceback.format_exc()  # as Ray wraps it: ClientAppException(str(RayTaskError))
-            r = Message(Error(code=0, reason="<class 'flwr.clientapp.client_app.ClientAppException'>:<'\n"
-                                             "Exception ClientAppException occurred. Message: "
-                                             f"ray::ClientAppActor.run() (pid=1)\n{tb}'>"), reply_to=m)
+        except Exception as e:  # noqa: BLE001 - mirrors Flower's error reply
+            r = self.error_reply(m, e)
         self._replies[mid] = r
+
+    def error_reply(self, msg: Message, exc: Exception) -> Message:
+        """The error reply to ``msg`` whose handler raised ``exc``, worded as a Flower SuperNode
+        words it (``<class 'T'>:<'message'>``, code ``CLIENT_APP_RAISED_EXCEPTION``)."""
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(exc)}:<'{exc}'>"),
+                       reply_to=msg)
 
     def join(self, timeout: float = 30.0) -> None:
         """Wait for the handler threads (threaded mode)."""

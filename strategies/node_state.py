@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tempfile
 from logging import WARNING
 from pathlib import Path
@@ -43,18 +42,13 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.common import log
 
 from split_layer.records import numpy_to_record
+from split_layer.simulation import in_simulation
 
 STATE_DIR_KEY = "state-dir"            # node config
 STATE_DIR_ENV = "FLOWER_SSL_STATE_DIR"
 META = "node-state.meta"               # ConfigRecord in context.state: session and round of the state
 KEEP_ROUNDS = 2
 _ROUND_FILE = re.compile(r"^round-(\d+)\.npz$")
-
-
-def in_simulation() -> bool:
-    """True inside Flower's simulation engine (a Ray worker); never imports Ray itself."""
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
 
 
 def state_root(context: Context) -> Path | None:

@@ -1,9 +1,12 @@
 """The run-config parser: defaults match pyproject, and bad input names the key."""
+import dataclasses
 import tomllib
 
 import pytest
 
-from flower_apps.config import AppConfig, parse_run_config
+from flower_apps.config import STREAM_FIELD, AppConfig, parse_run_config
+from split_layer.stream_options import TLS_MODES, StreamOptions, stream_knobs
+from split_layer.transport import TRANSPORTS
 from strategies.registry import algorithm_names, get_algorithm
 from tasks.config import ConfigError, TaskConfig, to_flat
 from tests.flower_harness import ROOT
@@ -66,6 +69,56 @@ def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
         parse_run_config(cfg)
     assert needle in str(e.value)
+
+
+def test_stream_options_are_stated_once():
+    """Each split-stream-* key is a StreamOptions knob: AppConfig takes its default, allowed
+    values and help (knob_of), pyproject lists it with that default, and the run config's
+    options are exactly the StreamOptions the transport gets."""
+    flat = pyproject_config()
+    app_fields = {f.name: f for f in dataclasses.fields(AppConfig)}
+    knobs = stream_knobs()
+    assert {StreamOptions.key(f.name) for f, _ in knobs} == {k for k in flat if k.startswith("split-stream-")}
+    for f, _ in knobs:
+        mine = app_fields[STREAM_FIELD + f.name]
+        assert (mine.default, dict(mine.metadata)) == (f.default, dict(f.metadata)), f.name
+        assert flat[StreamOptions.key(f.name)] == f.default, f.name
+    assert dict(app_fields["split_stream_tls"].metadata)["choices"] == TLS_MODES
+    assert dict(app_fields["split_transport"].metadata)["choices"] == TRANSPORTS
+    cfg = {**flat, "split-stream-port": 7070, "split-stream-tls": "on", "split-stream-session": "round",
+           "round-timeout": 42.0}
+    assert parse_run_config(cfg).app.stream_options() == StreamOptions(port=7070, tls="on", session="round",
+                                                                        timeout=42.0)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"split-stream-port": 70000}, "split-stream-port=70000 is out of range; allowed [0, 65535]"),
+    ({"split-stream-tls": "maybe"}, "split-stream-tls='maybe' is not one of: auto, on, off"),
+    ({"split-stream-session": "day"}, "split-stream-session='day' is not one of: auto, run, round"),
+    ({"split-stream-allow-plaintext": "yes"}, "split-stream-allow-plaintext='yes' must be a boolean"),
+])
+def test_stream_options_check_values_as_the_run_config_does(override, needle):
+    """A bad split-stream-* value is the same ConfigError through the run config and through
+    StreamOptions (the class a user of the API constructs)."""
+    with pytest.raises(ConfigError) as e:
+        parse_run_config({**pyproject_config(), "algo": "scala", "split-transport": "stream", **override})
+    assert needle in str(e.value)
+    (key, value), = override.items()
+    with pytest.raises(ConfigError) as e:
+        StreamOptions(**{key[len("split-stream-"):].replace("-", "_"): value})
+    assert needle in str(e.value)
+
+
+def test_stream_options_cross_key_rules_name_the_keys():
+    cfg = {**pyproject_config(), "algo": "scala", "split-transport": "stream"}
+    with pytest.raises(ConfigError, match="split-stream-host='0.0.0.0' binds every interface"):
+        parse_run_config({**cfg, "split-stream-host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match="split-stream-allow-plaintext=true"):
+        parse_run_config({**cfg, "split-stream-host": "10.1.2.3", "split-stream-tls": "off"})
+    ok = parse_run_config({**cfg, "split-stream-host": "10.1.2.3", "split-stream-tls": "off",
+                           "split-stream-allow-plaintext": True})
+    assert ok.app.stream_options().allow_plaintext is True
+    assert StreamOptions(allow_plaintext="false").allow_plaintext is False   # coerced as the run config does
 
 
 def test_every_algorithm_resolves():

@@ -39,6 +39,7 @@ from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_names
 from tasks import env as task_env
 from tasks.training import evaluate, load_numpy_state
+from tests.faulty_grid import inject_failures
 
 ALGOS = algorithm_names()
 NODES = 4
@@ -240,7 +241,7 @@ def test_conformance_node_fails_mid_round(algo, caplog):
         cfg = msg.content.config_records.get("config", {})
         return int(cfg.get("server-round", 0)) == 1 and int(cfg.get("split-step", 2)) >= 2
 
-    grid.fail_if = fail_if
+    inject_failures(grid, fail_if)   # errors worded as in Flower's simulation engine
     with caplog.at_level(logging.WARNING):
         res, rows = run(s, grid)
     if not s.uses_clients:

@@ -24,6 +24,7 @@ from strategies.registry import get_algorithm
 from tasks.aggregate import fednova_aggregate, vr_correction_update, weighted_mean
 from tasks.config import ConfigError, TaskConfig
 from tasks.env import library_env
+from tests.faulty_grid import inject_failures
 from tests.test_losses import _numerical_soft_label
 
 TASK = TaskConfig(model="mlp", norm="none", lr=0.01, momentum=0.0, local_epochs=1, partition="dirichlet",
@@ -164,7 +165,7 @@ def test_tau_k_formula_and_config_errors():
 
 # --------------------------------------------------------------------------- in-process server + clients
 def fail_at(fail):
-    """``LocalGrid.fail_if`` for a set of (round, partition-id): those replies are errors (dropped clients)."""
+    """``inject_failures``' ``fail_if`` for a set of (round, partition-id): those replies are errors (dropped clients)."""
     fail = set(fail)
     return lambda m, ctx: (int(m.content.config_records[CONFIG_KEY]["server-round"]),
                            int(ctx.node_config["partition-id"])) in fail
@@ -180,7 +181,7 @@ def _run(algo: str, rounds: int, fail=(), fraction: float = 1.0, num_nodes: int 
     spec = get_algorithm(algo)
     strat = spec.strategy_cls(task, spec.parse_config({}), algo,
                               RoundPolicy(fraction_train=fraction, min_nodes=2, round_timeout=5.0))
-    grid = LocalGrid(num_nodes, spec.client["train"], first_node_id=1, fail_if=fail_at(fail))
+    grid = inject_failures(LocalGrid(num_nodes, spec.client["train"], first_node_id=1), fail_at(fail))
     rows = []
     strat.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     return strat, grid, rows

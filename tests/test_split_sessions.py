@@ -242,7 +242,8 @@ def test_session_frames_are_bounded_by_the_weights_and_the_largest_batch():
     """A session's server carries the bottom (+ extras) down and back: its message bound covers
     them and the streams at the largest batch a node can be given in any round (SCALA: B), and
     the nodes are told the same bound."""
-    from split_layer.stream import FRAME_MARGIN, max_frame_bytes, nbytes_arrays
+    from split_layer.rounds import array_bytes
+    from split_layer.stream import FRAME_MARGIN, max_frame_bytes
 
     seen = {}
 
@@ -255,7 +256,7 @@ def test_session_frames_are_bounded_by_the_weights_and_the_largest_batch():
     n = grid.get_node_ids()[0]
     largest = s.largest_stream_specs(n)
     assert largest["act"].shape[0] == 40
-    weights = nbytes_arrays({"bottom": s.bottom_numpy()})
+    weights = array_bytes({"bottom": s.bottom_numpy()})
     assert seen["bound"] == max(max_frame_bytes(largest), 2 * weights + FRAME_MARGIN)
     assert seen["told"] == {seen["bound"]}
     assert seen["bound"] > max(r for r in rows[0]["batch-sizes"]) * int(np.prod(s.act_shape)) * 4
@@ -269,7 +270,7 @@ def test_session_length_in_a_simulation_that_cannot_hold_every_node():
 
     class Owner:
         def __init__(self, actors):
-            self.info = {n: {"sim-actors": actors, "sim-threads": 6} for n in (1001, 1002, 1003)}
+            self.directory = {n: {"sim-actors": actors, "sim-threads": 6} for n in (1001, 1002, 1003)}
 
     grid = LocalGrid(3, dispatch)
     nodes = [1001, 1002]

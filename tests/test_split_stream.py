@@ -29,6 +29,7 @@ from split_layer.stream import (
     simulation_concurrency,
 )
 from split_layer.transport import Envelope, LocalGrid
+from tests.faulty_grid import FaultyGrid
 from tasks.config import ConfigError
 
 K = 3
@@ -84,7 +85,7 @@ class Owner:
     """The strategy methods the transport uses, recording drops."""
 
     def __init__(self, actors: int = 0, threads: int = 0) -> None:
-        self.info = {n: {"sim-actors": actors, "sim-threads": threads} for n in range(1001, 1001 + K)}
+        self.directory = {n: {"sim-actors": actors, "sim-threads": threads} for n in range(1001, 1001 + K)}
         self.dropped: list[tuple[int, str]] = []
 
     def base_content(self, server_round, action="train", **config):
@@ -128,8 +129,7 @@ def echo_handler(behaviour: dict[int, str] | None = None, iters: int = 3):
 
 def run_round(handler, owner=None, iters=3, timeout=10.0, opts=None, fail_nodes=()):
     owner = owner or Owner()
-    grid = LocalGrid(K, handler, threaded=True)
-    grid.fail_nodes = set(fail_nodes)
+    grid = FaultyGrid(K, handler, threaded=True, fail_nodes=fail_nodes)
     tr = StreamTransport(owner, grid, opts or StreamOptions(timeout=timeout, session="round"))
     nodes = grid.get_node_ids()
     seen = []

@@ -135,9 +135,12 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "partition.json"):
         assert (folder / name).is_file(), name
     # the attacker did attack: it made its calls and opened twice the cap's worth of connections
-    # again and again, and the server refused and closed them in every round
+    # again and again, and every round's server refused it (how many times in one round depends
+    # on where the round falls in the attacker's 30 s bans, whose cut connections are not
+    # refusals: 1221, 422 and 3 were seen on a loaded machine)
     assert report["calls"] > 50 and report["reconnects"] > 4 * cap, report
-    assert len(result["refused"]) == 3 and all(n > 100 for n, _ in result["refused"]), result["refused"]
+    refused = [n for n, _ in result["refused"]]
+    assert len(refused) == 3 and all(n > 0 for n in refused) and sum(refused) > 300, result["refused"]
 
 
 # --------------------------------------------------------------------------- sessions sized from the nodes
@@ -159,7 +162,7 @@ def test_the_server_makes_room_for_the_expected_sessions():
 
 
 def test_too_few_descriptors_for_the_nodes_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr("split_layer.stream.descriptor_room", lambda want, reserve=64: 20)
+    monkeypatch.setattr("split_layer.stream_server.descriptor_room", lambda want, reserve=64: 20)
     with pytest.raises(StreamConfigError, match="ulimit -n"):
         _Server(StreamOptions(), [], expected=50)
 
@@ -259,8 +262,8 @@ def test_a_stopped_servers_fixed_port_is_bound_again_at_once():
 
 
 def test_a_port_held_by_another_program_is_an_error_naming_the_key(monkeypatch):
-    from split_layer import stream
-    monkeypatch.setattr(stream, "BIND_RETRY_S", 0.3)
+    from split_layer import stream_server
+    monkeypatch.setattr(stream_server, "BIND_RETRY_S", 0.3)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
