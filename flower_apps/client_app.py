@@ -11,19 +11,12 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from split_layer.records import CONFIG_KEY
 from strategies.client import register_actions
-from strategies.registry import algorithm_names, get_algorithm, import_modules, query_actions
+from strategies.registry import algorithm_for, query_actions
 
 
 def dispatch(msg: Message, context: Context) -> Message:
-    cfg = msg.content.config_records.get(CONFIG_KEY)
-    if cfg is None or "algo" not in cfg:
-        raise ValueError(f"malformed message: no '{CONFIG_KEY}' record with an 'algo' entry")
-    algo = str(cfg["algo"])
-    if algo not in algorithm_names():
-        import_modules(str((context.run_config or {}).get("algo-modules", "")))
-    return get_algorithm(algo).handle(msg, context)
+    return algorithm_for(msg, context=context).handle(msg, context)
 
 
 app = register_actions(ClientApp(), ["train", "evaluate", *query_actions()], dispatch)

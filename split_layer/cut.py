@@ -25,11 +25,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from tasks.models import StagedModel
+from tasks.models import StagedModel, check_cut
 
 __all__ = [
     "ModelPart",
     "resolve_cut",
+    "feature_shape",
     "split_model",
     "bottom_stage_names",
     "top_stage_names",
@@ -95,13 +96,26 @@ class ModelPart(nn.Module):
 
 
 def resolve_cut(model: StagedModel, cut: str | None) -> str:
-    """Return ``cut`` (or the model's default for ``None``/``""``) after validating it."""
+    """Return ``cut`` (or the model's default for ``None``/``""``) after validating it
+    (:func:`tasks.models.check_cut`)."""
     if cut is None or cut == "":
         return model.default_cut
-    if cut not in model.cut_points:
-        raise ValueError(
-            f"cut={cut!r} is not a cut point of model {model.name!r}; allowed: {', '.join(model.cut_points)}")
-    return cut
+    return check_cut(cut, model.stage_names, f"cut={cut!r} is not a cut point of model {model.name!r}")
+
+
+def feature_shape(bottom: nn.Module, input_shape: tuple[int, ...], device: torch.device | None = None
+                  ) -> tuple[int, ...]:
+    """The shape of the bottom's output (the features that cross the cut) for one input of
+    ``input_shape`` (``(C, H, W)``), without the batch dimension. Measured in eval mode (no
+    BatchNorm statistics updated, no dropout draw) and without a graph; the bottom's mode is
+    restored."""
+    was = bottom.training
+    bottom.eval()
+    try:
+        with torch.no_grad():
+            return tuple(bottom(torch.zeros(1, *input_shape, device=device)).shape[1:])
+    finally:
+        bottom.train(was)
 
 
 def _index(model: StagedModel, cut: str | None) -> int:

@@ -2,7 +2,9 @@
 
 * :class:`RoundPolicy`: sampling, waiting and the minimum to aggregate (run-config keys
   ``fraction-train``, ``min-nodes``, ``round-timeout``, ``split-transport``).
-* :class:`ByteMeter`: bytes by kind and direction (``bytes.<kind>.<up|down>``).
+* :class:`ByteMeter`: bytes by kind and direction (``bytes.<kind>.<up|down>``), counted by
+  :func:`array_bytes`, the one byte count (records, arrays, state dicts, payloads).
+* :class:`NodeDirectory`: who each node is (partition id; a split node's data statistics).
 * :func:`describe_error`: the real exception of a ClientApp's error reply.
 * :class:`RoundHost`: the small interface the split layer needs from the strategy that runs
   its rounds (exchange messages, drop a node, the byte meter, the message content); the base
@@ -10,18 +12,22 @@
 """
 from __future__ import annotations
 
+import copy
 import re
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from tasks.config import TaskConfig, knob
 from tasks.env import Env
+
+from .transport import TRANSPORTS
 
 
 @dataclass
@@ -33,7 +39,7 @@ class RoundPolicy:
     min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
     round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
     wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
-    split_transport: str = knob("message", choices=("message", "stream"),
+    split_transport: str = knob("message", choices=TRANSPORTS,
                                 help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
                                      "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "
                                      "which spans the run or one round: split-stream-session); see docs/split.md")
@@ -59,11 +65,63 @@ class ByteMeter:
         return out
 
 
-def array_bytes(rec: ArrayRecord) -> int:
-    """Raw tensor bytes of an ArrayRecord: elements x item size, without the per-array
-    serialisation header and record framing (so the count is analytic: weights x 4 bytes)."""
-    return int(sum(int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-                   for a in (rec[k] for k in rec.keys())))
+def array_bytes(x: Any) -> int:
+    """The library's one byte count: raw tensor bytes, elements x item size, without the
+    per-array serialisation header and record framing (so the count is analytic: weights x 4
+    bytes). ``x``: an ``ArrayRecord``, a Flower ``Array``, a numpy array or torch tensor, or a
+    dict of any of these (a state dict ``{name: array}``, a payload ``{name: state dict}``)."""
+    if isinstance(x, Array):
+        return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    if isinstance(x, torch.Tensor):
+        return int(x.numel() * x.element_size())
+    if isinstance(x, Mapping):   # (an ArrayRecord too)
+        return int(sum(array_bytes(v) for v in x.values()))
+    return int(np.asarray(x).nbytes)
+
+
+class NodeDirectory(Mapping[int, dict[str, Any]]):
+    """Who each node is: node id -> ``{"partition": <partition id>, ...}``, plus, for a split
+    node, its data statistics (``n``: ``|D_k|``, ``hist``: label counts, ``sim-actors``,
+    ``sim-threads``), and ``num_partitions`` (what the nodes said). The one writer is
+    :meth:`note`: the ``node-info`` reply (:meth:`strategies.base.BaseStrategy.learn_partitions`),
+    the split runtime's ``split-info`` reply, which carries the partition id with the
+    statistics (:meth:`split_layer.runtime.SplitRuntime.fetch_info`), and a checkpoint."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, dict[str, Any]] = {}
+        self.num_partitions = 0
+
+    def note(self, node: int, partition_id: Any, num_partitions: Any = 0, **stats: Any) -> None:
+        """Record what ``node`` said of itself (its partition id, and any statistics)."""
+        self._entries[int(node)] = {**self._entries.get(int(node), {}), "partition": int(partition_id), **stats}
+        if int(num_partitions or 0) > 0:
+            self.num_partitions = int(num_partitions)
+
+    def partitions(self) -> dict[int, int]:
+        """node id -> partition id of every node known."""
+        return {n: e["partition"] for n, e in self._entries.items()}
+
+    def has_stats(self, node: int) -> bool:
+        """Whether ``node`` told its data statistics (a split node's ``split-info``)."""
+        return "n" in self._entries.get(node, {})
+
+    def __getitem__(self, node: int) -> dict[str, Any]:
+        return self._entries[node]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def state(self) -> dict[int, dict[str, Any]]:
+        """A copy of every entry (checkpoints)."""
+        return copy.deepcopy(self._entries)
+
+    def load(self, state: Mapping[int, Mapping[str, Any]]) -> None:
+        """Note every entry of :meth:`state` (a checkpoint)."""
+        for node, entry in state.items():
+            self.note(node, entry["partition"], **{k: v for k, v in entry.items() if k != "partition"})
 
 
 class RoundHost(Protocol):
@@ -76,7 +134,7 @@ class RoundHost(Protocol):
     meter: ByteMeter
     env: Env | None
     model: torch.nn.Module | None
-    info: dict
+    directory: NodeDirectory    # who each node is (partition id, a split node's data statistics)
 
     def exchange(self, grid: Grid, messages: list[Message], timeout: float | None = None,
                  poll: float = 0.01) -> list[Message]: ...
@@ -84,8 +142,6 @@ class RoundHost(Protocol):
     def drop(self, node: int, why: str) -> None: ...
 
     def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict: ...
-
-    def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None: ...
 
 
 _EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)): ?(.*)$")

@@ -3,8 +3,11 @@
 One round (``run_round``), for ``I = local_iterations()``:
 
 1. sample nodes (seeded, ``fraction-train``); nodes never seen before answer a one-time
-   ``split-info`` query (partition id, ``|D_k|``, label histogram ``n_k``), cached in
-   ``self.info`` (and in checkpoints);
+   ``split-info`` query (partition id, ``|D_k|``, label histogram ``n_k``), noted in the
+   strategy's node directory (``self.directory``, :class:`split_layer.rounds.NodeDirectory`;
+   in checkpoints too). It is the only query a split node answers in its first round: when
+   sampling needs every node's partition id (``fraction-train < 1``), all nodes are asked it
+   then, instead of ``node-info`` (:meth:`SplitRuntime.learn_partitions`);
 2. ``begin_round(rnd, nodes)`` (algorithm: batch shares, priors, server copies...);
 3. ``visit_groups(rnd, nodes)`` splits the nodes into groups that visit the server part
    **one group after another** (default: one group of all nodes, the barrier; SplitFedV2:
@@ -51,7 +54,6 @@ each group has its own stream session (its message 1 starts one, its final repli
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from logging import WARNING
@@ -64,16 +66,12 @@ from flwr.serverapp import Grid
 
 from tasks.aggregate import weighted_mean
 
-from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
-from .transport import Envelope, FlowerTransport, Transport
+from .cut import bottom_state, feature_shape, load_bottom_state, resolve_cut, split_model
+from .rounds import NodeDirectory, array_bytes
+from .transport import TRANSPORTS, Envelope, FlowerTransport, Transport
 from .validation import SplitValidationError, TensorSpec, check_streams
 
-__all__ = ["SplitRuntime", "nbytes"]
-
-
-def nbytes(d: dict[str, np.ndarray]) -> int:
-    """Raw tensor bytes of a dict of arrays."""
-    return int(sum(np.asarray(v).nbytes for v in d.values()))
+__all__ = ["SplitRuntime"]
 
 
 class SplitRuntime:
@@ -92,14 +90,15 @@ class SplitRuntime:
     def setup_algorithm(self) -> None:
         self.cut = resolve_cut(self.model, self.task.cut)
         self.bottom, self.top = split_model(self.model, self.cut)
-        self.info: dict[int, dict[str, Any]] = {}
-        with torch.no_grad():
-            was = self.model.training
-            self.model.eval()
-            x = torch.zeros(1, *self.env.input_shape, device=self.env.device)
-            self.act_shape = tuple(self.bottom(x).shape[1:])
-            self.model.train(was)
+        self.act_shape = feature_shape(self.bottom, self.env.input_shape, self.env.device)
         self.setup_split()
+
+    @property
+    def info(self) -> NodeDirectory:
+        """The strategy's node directory (``self.directory``), read-only: the split layer's older
+        name for it; a split node's entry has ``partition``, ``n``, ``hist``, ``sim-actors``,
+        ``sim-threads``."""
+        return self.directory
 
     def setup_split(self) -> None:
         """Hook: server optimizer, extra models."""
@@ -115,8 +114,8 @@ class SplitRuntime:
 
             opts = dataclasses.replace(self.policy.stream or StreamOptions(), timeout=self.policy.round_timeout)
             return StreamTransport(self, grid, opts)
-        if self.policy.split_transport != "message":
-            raise ValueError(f"split-transport={self.policy.split_transport!r} is not one of: message, stream")
+        if self.policy.split_transport not in TRANSPORTS:
+            raise ValueError(f"split-transport={self.policy.split_transport!r} is not one of: {', '.join(TRANSPORTS)}")
         return FlowerTransport(self, grid)
 
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
@@ -126,7 +125,7 @@ class SplitRuntime:
         """The task's batch size, or all of ``node``'s samples where it has fewer (a batch larger
         than a node's data is one full batch, logged once per node, never an allocation of
         the asked size)."""
-        b, n = int(self.task.batch_size), int(self.info.get(node, {}).get("n", 0))
+        b, n = int(self.task.batch_size), int(self.directory.get(node, {}).get("n", 0))
         if 0 < n < b:
             warned = self.__dict__.setdefault("_batch_warned", set())
             if node not in warned:
@@ -183,13 +182,13 @@ class SplitRuntime:
     # ------------------------------------------------------------------ helpers
     def order(self, nodes) -> list[int]:
         """Nodes in partition order (the concatenation / sequential order)."""
-        return sorted(nodes, key=lambda n: (self.info[n]["partition"], n))
+        return sorted(nodes, key=lambda n: (self.directory[n]["partition"], n))
 
     def num_examples(self, node: int) -> int:
-        return int(self.info[node]["n"])
+        return int(self.directory[node]["n"])
 
     def histogram(self, node: int) -> np.ndarray:
-        return self.info[node]["hist"]
+        return self.directory[node]["hist"]
 
     def bottom_numpy(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in bottom_state(self.model, self.cut).items()}
@@ -202,20 +201,34 @@ class SplitRuntime:
                           self.cut)
 
     def fetch_info(self, transport: Transport, server_round: int, nodes: list[int]) -> None:
-        todo = [n for n in nodes if n not in self.info]
+        """The one-time ``split-info`` query of the nodes of ``nodes`` not known yet (each is asked
+        at most once per round): its reply, partition id and data statistics, goes into the node
+        directory. A split node is never asked ``node-info`` (:meth:`learn_partitions`)."""
+        asked = self.__dict__.setdefault("_info_asked", {})   # node -> the round it was last asked
+        todo = [n for n in nodes if not self.directory.has_stats(n) and asked.get(n) != server_round]
         if not todo:
             return
+        asked.update({n: server_round for n in todo})
         replies = transport.exchange(server_round, "split-info", {n: Envelope() for n in todo})
         for n, env in replies.items():
             hist = np.asarray(env.tensors.get("histogram", np.zeros(0)), dtype=np.int64)
             if hist.shape != (self.env.num_classes,) or (hist < 0).any():
                 self.drop(n, f"bad label histogram of shape {hist.shape}")
                 continue
-            self.meter.add("histogram", "up", hist.nbytes)
-            self.note_partition(n, env.config["partition-id"], env.config.get("num-partitions", 0))
-            self.info[n] = {"partition": int(env.config["partition-id"]), "n": int(env.config["num-examples"]),
-                            "hist": hist, "sim-actors": int(env.config.get("sim-actors", 0)),
-                            "sim-threads": int(env.config.get("sim-threads", 0))}
+            self.meter.add("histogram", "up", array_bytes(hist))
+            self.directory.note(n, env.config["partition-id"], env.config.get("num-partitions", 0),
+                                n=int(env.config["num-examples"]), hist=hist,
+                                **{"sim-actors": int(env.config.get("sim-actors", 0)),
+                                   "sim-threads": int(env.config.get("sim-threads", 0))})
+
+    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01, server_round: int = 0) -> list[int]:
+        """Sampling needs the partitions of all nodes (:meth:`strategies.base.BaseStrategy.sample_nodes`):
+        a split node learns them from its ``split-info`` reply, asked once (the node is not asked
+        ``node-info`` as well, nor ``split-info`` again when it is sampled in that round)."""
+        transport = self._transport if self._transport is not None else FlowerTransport(self, grid)
+        asked = self.__dict__.setdefault("_info_asked", {})
+        self.fetch_info(transport, server_round, [n for n in nodes if n not in asked])
+        return [n for n in nodes if n in self.directory]
 
     # ------------------------------------------------------------------ the round
     _transport: Transport | None = None
@@ -269,7 +282,7 @@ class SplitRuntime:
     def _run_round(self, server_round: int, grid: Grid, transport: Transport) -> dict[str, Any]:
         sampled = self.sample_nodes(grid, server_round)
         self.fetch_info(transport, server_round, sampled)
-        alive = self.order([n for n in sampled if n in self.info])
+        alive = self.order([n for n in sampled if self.directory.has_stats(n)])
         out: dict[str, Any] = {"sampled": len(sampled)}
         if len(alive) < self.policy.min_nodes:
             return self._skip(server_round, out, alive, None)
@@ -291,10 +304,10 @@ class SplitRuntime:
                 return self._skip(server_round, out, usable, snap)
             finals.update(got)
         for n, env in finals.items():
-            self.meter.add("weights", "up", nbytes(env.arrays["bottom"]))
+            self.meter.add("weights", "up", array_bytes(env.arrays["bottom"]))
             for name, sd in env.arrays.items():
                 if name != "bottom":
-                    self.meter.add(self.extra_kind(name), "up", nbytes(sd))
+                    self.meter.add(self.extra_kind(name), "up", array_bytes(sd))
         out["participants"] = len(finals)
         ex = [float(f.metrics.get("num-examples", 0.0)) for f in finals.values()]
         out["num-examples"] = float(sum(ex))
@@ -318,9 +331,9 @@ class SplitRuntime:
             extras = self.begin_extras(n)
             msgs[n] = Envelope(arrays={"bottom": bottom, **extras},
                                config={"split-step": 1, "split-iters": iters, **self.begin_config(n)})
-            self.meter.add("weights", "down", nbytes(bottom))
+            self.meter.add("weights", "down", array_bytes(bottom))
             for name, sd in extras.items():
-                self.meter.add(self.extra_kind(name), "down", nbytes(sd))
+                self.meter.add(self.extra_kind(name), "down", array_bytes(sd))
         for step in range(1, iters + 2):
             t0 = time.perf_counter()
             replies = transport.exchange(server_round, "split", msgs)
@@ -363,13 +376,13 @@ class SplitRuntime:
             for n in alive:
                 payloads[n] = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in good[n].tensors.items()}
                 for k, v in good[n].tensors.items():
-                    self.meter.add(self.stream_kind(k, "up"), "up", v.nbytes)
+                    self.meter.add(self.stream_kind(k, "up"), "up", array_bytes(v))
             grads = self.server_iteration(step, payloads)
             msgs = {}
             for n in alive:
                 g = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in grads[n].items()}
                 for k, v in g.items():
-                    self.meter.add(self.stream_kind(k, "down"), "down", v.nbytes)
+                    self.meter.add(self.stream_kind(k, "down"), "down", array_bytes(v))
                 msgs[n] = Envelope(tensors=g, config={"split-step": step + 1, "split-iters": iters})
         return {}, []  # not reached: the loop returns at step I + 1
 
@@ -383,10 +396,10 @@ class SplitRuntime:
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:
-        return {"info": copy.deepcopy(self.info), **self.split_extra_state()}
+        return {"info": self.directory.state(), **self.split_extra_state()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.info = dict(state.get("info", {}))
+        self.directory.load(state.get("info", {}))
         self.load_split_extra_state(state)
 
     def split_extra_state(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ The worker keeps only this in ``context.state`` (it travels with every message):
 Exactness. The activations of step ``s`` are computed without a graph when they are sent,
 and recomputed with a graph when their gradient arrives (``torch.autograd.backward`` of
 the named streams with the received gradients, then one optimizer step). Both passes use
-the same batch (a stateless per-step cursor over seeded epoch permutations), the same
+the same batch (:func:`tasks.training.batch_at`: a stateless cursor over seeded epochs), the same
 seed for the augmentation draw and the dropout masks
 (``derive_seed(seed, "split-fwd", round, partition, step)``), and BatchNorm running
 statistics are updated once (buffers are restored after the recomputation). So the bottom
@@ -37,9 +37,10 @@ Validation: incoming gradients must name a stream that was sent with a graph and
 its shape and dtype, with no NaN/Inf; otherwise :class:`SplitValidationError` is raised
 (the reply is an error; nothing is applied).
 
-Fault injection (testing only): if the algorithm config has ``fault-partition == <this
-partition-id>`` and ``fault-step == <step>`` the handler raises at that step, to test the
-server's drop-and-continue path.
+Each step of the protocol is one method of :class:`SplitWorker` (both transports share
+``begin``, ``forward``, ``apply_gradients`` and ``finish``); a test that needs a node to fail
+at split step ``k`` makes it fail when the gradients of step ``k - 1`` reach it
+(``tests/split_faults.py``).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from split_layer.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_record
 from tasks.data import ArrayDataset
 from tasks.env import Env
-from tasks.training import derive_seed, make_sgd, to_device_batch
+from tasks.training import batch_at, derive_seed, make_sgd, seeded, seeded_perms, to_device_batch
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
 from .stream import (
@@ -65,13 +66,13 @@ from .stream import (
     config_from_json,
     config_to_json,
     pack_arrays,
-    simulation_concurrency,
     unpack_arrays,
 )
+from .simulation import simulation_concurrency
 from .transport import Envelope, envelope_from_message, reply
 from .validation import SplitValidationError, TensorSpec, check_tensor
 
-__all__ = ["SplitClientHooks", "Worker", "make_split_handlers", "step_batch", "forward_seed",
+__all__ = ["SplitClientHooks", "SplitWorker", "Worker", "make_split_handlers", "forward_seed", "batch_seed",
            "STATE_BOTTOM", "STATE_OPT", "STATE_META", "COMPUTE_LOCK"]
 
 STATE_BOTTOM = "split.bottom"
@@ -98,44 +99,15 @@ class SplitProtocolError(RuntimeError):
     """A split message arrived out of order (wrong round/step for this node's state)."""
 
 
-# --------------------------------------------------------------------------- batching and seeds
-def step_batch(n: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
-    """Indices of the mini-batch of local step ``step`` (1-based) of a round.
-
-    A stateless cursor: step ``s`` takes positions ``[(s-1)*b, s*b)`` of the infinite
-    sequence ``perm_0 ++ perm_1 ++ ...`` where ``perm_e = randperm(n)`` seeded by
-    ``derive_seed(seed, e)``, so every sample is seen once per epoch and any step's batch
-    can be recomputed from ``(seed, step)`` alone. ``seed`` should already depend on the
-    run seed, round and partition (the worker uses
-    ``derive_seed(task.seed, "split-batch", round, partition)``).
-    """
-    if n <= 0 or batch_size <= 0:
-        raise ValueError(f"cannot draw a batch of {batch_size} from {n} samples")
-    start, stop = (step - 1) * batch_size, step * batch_size
-    out, e0 = [], start // n
-    for e in range(e0, (stop - 1) // n + 1):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, e)))
-        lo, hi = max(start - e * n, 0), min(stop - e * n, n)
-        out.append(perm[lo:hi])
-    return torch.cat(out)
-
-
+# --------------------------------------------------------------------------- seeds
 def forward_seed(task_seed: int, rnd: int, partition: int, step: int) -> int:
     """Seed of the augmentation draw and dropout masks of one client forward pass."""
     return derive_seed(task_seed, "split-fwd", rnd, partition, step)
 
 
 def batch_seed(task_seed: int, rnd: int, partition: int) -> int:
+    """Seed of a node's batches in a round (:meth:`SplitWorker.batch`)."""
     return derive_seed(task_seed, "split-batch", rnd, partition)
-
-
-@contextmanager
-def seeded(seed: int, device: torch.device | None = None):
-    """Run a block under a fixed torch seed without disturbing the global RNG."""
-    devices = [device.index or 0] if (device is not None and device.type == "cuda") else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 # --------------------------------------------------------------------------- hooks
@@ -240,13 +212,48 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().cpu().numpy())
 
 
-# --------------------------------------------------------------------------- the handlers
-def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) -> dict[str, Any]:
-    """ClientApp handlers ``{"split": ..., "split-info": ...}`` driven by ``hooks``."""
-    mode = label_mode or hooks.label_mode
+# --------------------------------------------------------------------------- the protocol
+class SplitWorker:
+    """The ClientApp side of the split protocol for one algorithm's ``hooks``; each step of the
+    protocol is one method (module docstring). Holds nothing between messages but its hooks:
+    a node's state lives in ``context.state`` (message path) or in the call (stream path).
 
-    def _worker(msg: Message, context: Context, cfg: dict[str, Any]) -> Worker:
-        env = client_env(msg, context, label_mode=mode)
+    Entry points (Flower handlers): :meth:`info` (``split-info``) and :meth:`split`
+    (``split``: :meth:`message_step`, or :meth:`stream_round` when step 1 names a stream).
+    Shared by both transports: :meth:`worker` (the node's model, cut and round), :meth:`begin`
+    (step 1), :meth:`batch`, :meth:`forward`, :meth:`apply_gradients` (a step's gradients
+    arrive: hooks' feedback, backward, one optimizer step) and :meth:`finish` (the final reply).
+    Message path only: :meth:`resume` (the state the previous message kept) and :meth:`keep`.
+    """
+
+    def __init__(self, hooks: SplitClientHooks, label_mode: str | None = None) -> None:
+        self.hooks = hooks
+        self.mode = label_mode or hooks.label_mode
+
+    def handlers(self) -> dict[str, Any]:
+        return {"split": self.split, "split-info": self.info}
+
+    # ------------------------------------------------------------------ entry points
+    def info(self, msg: Message, context: Context) -> Message:
+        """``split-info``: partition id, ``|D_k|``, label histogram (once per node and run)."""
+        with COMPUTE_LOCK:  # model building draws from the global RNG
+            w = self.worker(msg, context, dict(msg.content.config_records[CONFIG_KEY]))
+            return reply(msg, self.info_envelope(w))
+
+    def split(self, msg: Message, context: Context) -> Message:
+        """``split``: one step of the message path, or (step 1 naming a stream) the stream session."""
+        with COMPUTE_LOCK:  # model building draws from the global RNG too
+            cfg = dict(msg.content.config_records[CONFIG_KEY])
+            w = self.worker(msg, context, cfg)
+            incoming = envelope_from_message(msg)
+            if int(cfg["split-step"]) == 1 and STREAM_KEYS["address"] in cfg:
+                return reply(msg, self.stream_round(w, incoming, cfg, context.state))
+            return reply(msg, self.message_step(w, incoming, int(cfg["split-step"]), context.state))
+
+    # ------------------------------------------------------------------ shared steps
+    def worker(self, msg: Message, context: Context, cfg: dict[str, Any]) -> Worker:
+        """This message's :class:`Worker`: the node's env, a fresh model cut as the task says."""
+        env = client_env(msg, context, label_mode=self.mode)
         model = env.build_model()
         model.train()
         cut = resolve_cut(model, env.task.cut)
@@ -256,56 +263,65 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                       int(cfg.get("split-batch", 0)), context.state, algo, cfg,
                       node_config=dict(context.node_config), streaming=STREAM_KEYS["address"] in cfg)
 
-    def info(msg: Message, context: Context) -> Message:
-        with COMPUTE_LOCK:
-            return _info(msg, context)
-
-    def _info(msg: Message, context: Context) -> Message:
-        cfg = dict(msg.content.config_records[CONFIG_KEY])
-        w = _worker(msg, context, cfg)
-        data = hooks.data(w)
-        hist = np.asarray(hooks.label_histogram(w, data), dtype=np.int64)
+    def info_envelope(self, w: Worker) -> Envelope:
+        data = self.hooks.data(w)
+        hist = np.asarray(self.hooks.label_histogram(w, data), dtype=np.int64)
         actors, threads = simulation_concurrency()
-        return reply(msg, Envelope(tensors={"histogram": hist},
-                                   config={"partition-id": w.partition, "num-partitions": w.env.num_partitions,
-                                           "num-examples": int(len(data)),
-                                           "sim-actors": actors, "sim-threads": threads, **hooks.info(w)}))
+        return Envelope(tensors={"histogram": hist},
+                        config={"partition-id": w.partition, "num-partitions": w.env.num_partitions,
+                                "num-examples": int(len(data)),
+                                "sim-actors": actors, "sim-threads": threads, **self.hooks.info(w)})
 
-    def batch_labels(w: Worker, data: ArrayDataset, step: int) -> np.ndarray:
-        """The node's labels of the batch of ``step`` (for :meth:`SplitClientHooks.feedback`; stay here)."""
-        idx = step_batch(len(data), w.batch_size, step, batch_seed(w.env.task.seed, w.rnd, w.partition))
-        return np.asarray(data.y)[idx.numpy()]
-
-    def run_forward(w: Worker, data: ArrayDataset, step: int, grad: bool,
-                    recompute: bool = False) -> dict[str, torch.Tensor]:
-        """The forward pass of ``step``: ``grad`` keeps a graph; ``recompute`` marks the message
-        path's second pass (its streams are not sent again, only backpropagated)."""
-        idx = step_batch(len(data), w.batch_size, step, batch_seed(w.env.task.seed, w.rnd, w.partition))
-        xb, yb = to_device_batch(data, idx, w.env.device)
-        with COMPUTE_LOCK, seeded(forward_seed(w.env.task.seed, w.rnd, w.partition, step), w.env.device):
-            w.recomputing = recompute
-            try:
-                if grad:
-                    return hooks.forward(w, xb, yb, step)
-                with torch.no_grad():
-                    return hooks.forward(w, xb, yb, step)
-            finally:
-                w.recomputing = False
-
-    def begin(w: Worker, incoming: Envelope, st: RecordDict) -> None:
+    def begin(self, w: Worker, incoming: Envelope, st: RecordDict) -> None:
         """Step 1 (both transports): load the bottom, reset this node's split state, optimizer, hooks."""
         if "bottom" not in incoming.arrays:
             raise SplitProtocolError("split-step 1 carries no 'bottom' weights")
         load_bottom_state(w.model, {k: torch.from_numpy(v.copy()) for k, v in incoming.arrays["bottom"].items()},
                           w.cut)
-        for k in [k for k in st.keys() if k.startswith("split.")]:
-            del st[k]
-        w.optimizer = hooks.make_optimizer(w)
+        _clear_split_state(st)
+        w.optimizer = self.hooks.make_optimizer(w)
         w.cache.clear()
-        hooks.begin(w, incoming)
+        self.hooks.begin(w, incoming)
 
-    def apply(w: Worker, outs: dict[str, torch.Tensor], grads: dict[str, np.ndarray], step: int,
-              restore: dict[str, torch.Tensor] | None = None) -> None:
+    @staticmethod
+    def check_sizes(w: Worker) -> None:
+        if w.batch_size < 1 or w.iters < 1:
+            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
+
+    @staticmethod
+    def batch(w: Worker, data: ArrayDataset, step: int) -> torch.Tensor:
+        """Indices of the batch of ``step`` (1-based): :func:`tasks.training.batch_at`, fixed-size
+        batches over epochs seeded by the round and partition (recomputable from the step alone)."""
+        return batch_at(len(data), w.batch_size, step - 1,
+                        seeded_perms(len(data), batch_seed(w.env.task.seed, w.rnd, w.partition)), fixed=True)
+
+    def forward(self, w: Worker, data: ArrayDataset, step: int, grad: bool,
+                recompute: bool = False) -> dict[str, torch.Tensor]:
+        """The forward pass of ``step``: ``grad`` keeps a graph; ``recompute`` marks the message
+        path's second pass (its streams are not sent again, only backpropagated)."""
+        xb, yb = to_device_batch(data, self.batch(w, data, step), w.env.device)
+        with COMPUTE_LOCK, seeded(forward_seed(w.env.task.seed, w.rnd, w.partition, step), w.env.device):
+            w.recomputing = recompute
+            try:
+                if grad:
+                    return self.hooks.forward(w, xb, yb, step)
+                with torch.no_grad():
+                    return self.hooks.forward(w, xb, yb, step)
+            finally:
+                w.recomputing = False
+
+    def apply_gradients(self, w: Worker, data: ArrayDataset, outs: dict[str, torch.Tensor],
+                        tensors: dict[str, np.ndarray], step: int,
+                        restore: dict[str, torch.Tensor] | None = None) -> None:
+        """The tensors that came down for ``step`` arrived: the hooks take out what is not a
+        gradient (:meth:`SplitClientHooks.feedback`, with the node's own labels of the step's
+        batch, which stay here), the rest is backpropagated through ``outs`` (the step's graph)
+        and the optimizer steps once (:meth:`backward`)."""
+        labels = np.asarray(data.y)[self.batch(w, data, step).numpy()]
+        self.backward(w, outs, self.hooks.feedback(w, step, dict(tensors), labels), step, restore)
+
+    def backward(self, w: Worker, outs: dict[str, torch.Tensor], grads: dict[str, np.ndarray], step: int,
+                 restore: dict[str, torch.Tensor] | None = None) -> None:
         """Backpropagate the received gradients of ``step`` through ``outs`` (its graph); one SGD step.
 
         ``restore``: buffer values to put back after the backward pass (the message path's
@@ -333,71 +349,65 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                     for n, b in w.bottom.named_buffers():
                         b.copy_(restore[n])
             w.optimizer.step()
-            hooks.after_step(w, step)
+            self.hooks.after_step(w, step)
 
-    def final_envelope(w: Worker, data: ArrayDataset, st: RecordDict) -> Envelope:
-        final = hooks.end(w)
+    def finish(self, w: Worker, data: ArrayDataset, st: RecordDict) -> Envelope:
+        """The final reply (both transports): the trained bottom, the hooks' extras, metrics."""
+        final = self.hooks.end(w)
         arrays = {"bottom": {k: _to_numpy(v) for k, v in bottom_state(w.model, w.cut).items()}, **final.arrays}
         metrics = {"num-examples": float(len(data)), "batch-size": float(w.batch_size),
                    "steps": float(w.iters), **final.metrics}
-        for k in [k for k in st.keys() if k.startswith("split.")]:
-            del st[k]
+        _clear_split_state(st)
         return Envelope(arrays=arrays, metrics=metrics, config=final.config)
 
-    def check_fault(w: Worker, step: int) -> None:
-        if int(w.algo.get("fault-partition", -1)) == w.partition and int(w.algo.get("fault-step", 0)) == step:
-            raise RuntimeError(f"fault injection: partition {w.partition} fails at split-step {step} "
-                               "(fault-partition/fault-step knobs; testing only)")
+    # ------------------------------------------------------------------ message path
+    def resume(self, w: Worker, st: RecordDict, step: int) -> None:
+        """Steps 2..I+1: check the message follows this node's state, then restore what the
+        previous message kept (:meth:`keep`): iterations, batch size, bottom, optimizer."""
+        meta = st.get(STATE_META)
+        if meta is None or int(meta["round"]) != w.rnd or int(meta["next-step"]) != step:
+            have = None if meta is None else (int(meta["round"]), int(meta["next-step"]))
+            raise SplitProtocolError(f"split message (round {w.rnd}, step {step}) does not follow this "
+                                     f"node's state (round, next step) = {have}")
+        w.iters, w.batch_size = int(meta["iters"]), int(meta["batch"])
+        rec = st[STATE_BOTTOM]
+        load_bottom_state(w.model, {k: torch.from_numpy(rec[k].numpy().copy()) for k in rec.keys()}, w.cut)
+        w.optimizer = self.hooks.make_optimizer(w)
+        if STATE_OPT in st:
+            _load_opt(w.bottom, w.optimizer, st[STATE_OPT])
 
-    def split(msg: Message, context: Context) -> Message:
-        with COMPUTE_LOCK:  # model building draws from the global RNG too
-            return _split(msg, context)
+    @staticmethod
+    def keep(w: Worker, st: RecordDict, step: int) -> None:
+        """What the next message of the round needs (``context.state``): bottom, momentum, meta."""
+        st[STATE_BOTTOM] = state_to_record(bottom_state(w.model, w.cut))
+        st[STATE_OPT] = _save_opt(w.bottom, w.optimizer)
+        st[STATE_META] = ConfigRecord({"round": w.rnd, "next-step": step + 1, "iters": w.iters,
+                                       "batch": w.batch_size})
 
-    def _split(msg: Message, context: Context) -> Message:
-        cfg = dict(msg.content.config_records[CONFIG_KEY])
-        step = int(cfg["split-step"])
-        w = _worker(msg, context, cfg)
-        check_fault(w, step)
-        incoming = envelope_from_message(msg)
-        st = context.state
-        if step == 1 and STREAM_KEYS["address"] in cfg:
-            return reply(msg, stream_round(w, incoming, cfg, st))
+    def message_step(self, w: Worker, incoming: Envelope, step: int, st: RecordDict) -> Envelope:
+        """Message ``step`` of a round over Flower messages: apply the gradients of ``step - 1``
+        on its recomputed forward pass, then send the streams of ``step`` (or, after step
+        ``I``, the final reply)."""
         if step == 1:
-            begin(w, incoming, st)
+            self.begin(w, incoming, st)
         else:
-            meta = st.get(STATE_META)
-            if meta is None or int(meta["round"]) != w.rnd or int(meta["next-step"]) != step:
-                have = None if meta is None else (int(meta["round"]), int(meta["next-step"]))
-                raise SplitProtocolError(f"split message (round {w.rnd}, step {step}) does not follow this "
-                                         f"node's state (round, next step) = {have}")
-            w.iters, w.batch_size = int(meta["iters"]), int(meta["batch"])
-            rec = st[STATE_BOTTOM]
-            load_bottom_state(w.model, {k: torch.from_numpy(rec[k].numpy().copy()) for k in rec.keys()}, w.cut)
-            w.optimizer = hooks.make_optimizer(w)
-            if STATE_OPT in st:
-                _load_opt(w.bottom, w.optimizer, st[STATE_OPT])
-        if w.batch_size < 1 or w.iters < 1:
-            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
-        data = hooks.data(w)
-
-        if step > 1:  # apply the gradients of step-1 on the recomputed forward pass
+            self.resume(w, st, step)
+        self.check_sizes(w)
+        data = self.hooks.data(w)
+        if step > 1:
             if not incoming.tensors:
                 raise SplitValidationError(f"split-step {step}: no gradients received for step {step - 1}")
             saved = {n: b.detach().clone() for n, b in w.bottom.named_buffers()}
-            outs = run_forward(w, data, step - 1, grad=True, recompute=True)
-            grads = hooks.feedback(w, step - 1, dict(incoming.tensors), batch_labels(w, data, step - 1))
-            apply(w, outs, grads, step - 1, restore=saved)  # BN statistics: updated once
-
+            outs = self.forward(w, data, step - 1, grad=True, recompute=True)
+            self.apply_gradients(w, data, outs, incoming.tensors, step - 1, restore=saved)  # BN: updated once
         if step <= w.iters:
-            outs = run_forward(w, data, step, grad=False)
-            st[STATE_BOTTOM] = state_to_record(bottom_state(w.model, w.cut))
-            st[STATE_OPT] = _save_opt(w.bottom, w.optimizer)
-            st[STATE_META] = ConfigRecord({"round": w.rnd, "next-step": step + 1, "iters": w.iters,
-                                           "batch": w.batch_size})
-            return reply(msg, Envelope(tensors={k: _to_numpy(v) for k, v in outs.items()}))
-        return reply(msg, final_envelope(w, data, st))
+            outs = self.forward(w, data, step, grad=False)
+            self.keep(w, st, step)
+            return Envelope(tensors={k: _to_numpy(v) for k, v in outs.items()})
+        return self.finish(w, data, st)
 
-    def stream_round(w: Worker, incoming: Envelope, cfg: dict[str, Any], st: RecordDict) -> Envelope:
+    # ------------------------------------------------------------------ stream path
+    def stream_round(self, w: Worker, incoming: Envelope, cfg: dict[str, Any], st: RecordDict) -> Envelope:
         """The node's stream session (see :mod:`split_layer.stream`): this round, and, when the
         session spans rounds (``split-stream-session``), every later round the server starts
         on the stream, until it says ``bye``.
@@ -416,7 +426,7 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         rounds = 0
         try:
             while True:
-                final = stream_visit(w, incoming, st, client)
+                final = self.stream_visit(w, incoming, st, client)
                 rounds += 1
                 if not spans:
                     return final
@@ -429,9 +439,8 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
                     return Envelope(metrics={"session-rounds": float(rounds)})
                 if "round" not in header:
                     raise SplitProtocolError(f"split stream: expected a round or bye, got header {sorted(header)}")
-                w = next_round(w, {**cfg, **config_from_json(header.get("config"))})
+                w = self.next_round(w, {**cfg, **config_from_json(header.get("config"))})
                 incoming = Envelope(arrays=unpack_arrays(header.get("arrays"), tensors))
-                check_fault(w, 1)
         except Exception as e:
             try:  # tell the server why, then fail the Flower message as well
                 client.send({"error": f"{type(e).__name__}: {e}"[:1000]}, {})
@@ -441,31 +450,37 @@ def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) 
         finally:
             client.close()
 
+    @staticmethod
     def next_round(w: Worker, cfg: dict[str, Any]) -> Worker:
         """The worker of the session's next round: same env, model and data, this round's config."""
         return dataclasses.replace(w, rnd=int(cfg.get("server-round", 0)), iters=int(cfg.get("split-iters", 0)),
                                    batch_size=int(cfg.get("split-batch", 0)), config=cfg, optimizer=None,
                                    recomputing=False)
 
-    def stream_visit(w: Worker, incoming: Envelope, st: RecordDict, client: StreamClient) -> Envelope:
+    def stream_visit(self, w: Worker, incoming: Envelope, st: RecordDict, client: StreamClient) -> Envelope:
         """One round's visit over the stream: steps 1..I, the final gradients; the final envelope."""
-        begin(w, incoming, st)
-        if w.batch_size < 1 or w.iters < 1:
-            raise SplitProtocolError(f"bad split-batch={w.batch_size} or split-iters={w.iters}")
-        data = hooks.data(w)
-        outs = run_forward(w, data, 1, grad=True)
+        self.begin(w, incoming, st)
+        self.check_sizes(w)
+        data = self.hooks.data(w)
+        outs = self.forward(w, data, 1, grad=True)
         client.send({"step": 1}, {k: _to_numpy(v) for k, v in outs.items()})
         for step in range(2, w.iters + 2):
             with _released(COMPUTE_LOCK):
                 header, grads = client.recv()
             if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
                 raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
-            check_fault(w, step)
-            grads = hooks.feedback(w, step - 1, dict(grads), batch_labels(w, data, step - 1))
-            apply(w, outs, grads, step - 1)
+            self.apply_gradients(w, data, outs, grads, step - 1)
             if step <= w.iters:
-                outs = run_forward(w, data, step, grad=True)
+                outs = self.forward(w, data, step, grad=True)
                 client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
-        return final_envelope(w, data, st)
+        return self.finish(w, data, st)
 
-    return {"split": split, "split-info": info}
+
+def _clear_split_state(st: RecordDict) -> None:
+    for k in [k for k in st.keys() if k.startswith("split.")]:
+        del st[k]
+
+
+def make_split_handlers(hooks: SplitClientHooks, label_mode: str | None = None) -> dict[str, Any]:
+    """ClientApp handlers ``{"split": ..., "split-info": ...}`` driven by ``hooks`` (:class:`SplitWorker`)."""
+    return SplitWorker(hooks, label_mode).handlers()

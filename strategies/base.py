@@ -48,7 +48,7 @@ from split_layer.records import (
     record_to_numpy,
     task_record,
 )
-from split_layer.rounds import ByteMeter, RoundPolicy, _metric_safe, describe_error
+from split_layer.rounds import ByteMeter, NodeDirectory, RoundPolicy, _metric_safe, describe_error
 from split_layer.runtime import SplitRuntime
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
@@ -141,13 +141,11 @@ class BaseStrategy(Strategy):
         elif labeled_data is not None or test_data is not None:
             raise ConfigError("labeled_data/test_data are a user's own data: pass your model too (model=...)")
         self.meter = ByteMeter()
-        self.rng = random.Random(task.seed)
         self.env: Env | None = None
         self.model: torch.nn.Module | None = None
         self.dropped: list[int] = []
         self.num_partitions = 0
-        self.partition_of: dict[int, int] = {}   # node id -> partition id (learn_partitions)
-        self.partition_count = 0                  # the nodes' num-partitions (learn_partitions)
+        self.directory = NodeDirectory()   # who each node is: partition id (+ a split node's statistics)
         self._asked: set[int] = set()
         self.train_config: dict[str, Any] = {}     # Flower's start(train_config=...): in every training message
         self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
@@ -216,20 +214,23 @@ class BaseStrategy(Strategy):
         k = min(k, len(nodes))
         if k == len(nodes):
             return nodes
-        self.learn_partitions(grid, nodes)
-        ordered = sorted(nodes, key=lambda n: (self.partition_of.get(n, 1 << 62), n))
+        self.learn_partitions(grid, nodes, server_round=server_round)
+        part = self.directory.partitions()
+        ordered = sorted(nodes, key=lambda n: (part.get(n, 1 << 62), n))
         rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
         return sorted(rng.sample(ordered, k))
 
-    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01) -> list[int]:
-        """The one way the server learns which partition a node holds: nodes not asked before
-        get one ``node-info`` query each (every ClientApp of this library answers it in
-        ``flower_apps.client_app.dispatch``); ``partition_of[node]`` and ``partition_count``
-        (the nodes' ``num-partitions``) are filled. Returns the nodes of ``nodes`` whose
-        partition is known (a node that does not answer is asked once, never again)."""
-        todo = [n for n in nodes if n not in self._asked and n not in self.partition_of]
+    def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01, server_round: int = 0) -> list[int]:
+        """How the server learns which partition a node holds: nodes not asked before get one
+        ``node-info`` query each (every ClientApp of this library answers it in
+        ``flower_apps.client_app.dispatch``), noted in the node directory (``partition_of``,
+        ``partition_count``: the nodes' ``num-partitions``). Returns the nodes of ``nodes``
+        whose partition is known (a node that does not answer is asked once, never again).
+        A split strategy asks its own ``split-info`` instead
+        (:meth:`split_layer.runtime.SplitRuntime.learn_partitions`)."""
+        todo = [n for n in nodes if n not in self._asked and n not in self.directory]
         if not todo:
-            return [n for n in nodes if n in self.partition_of]
+            return [n for n in nodes if n in self.directory]
         self._asked.update(todo)
         msgs = [query(self.base_content(0, action=NODE_INFO), n, NODE_INFO) for n in todo]
         pending = set(grid.push_messages(msgs))
@@ -243,14 +244,22 @@ class BaseStrategy(Strategy):
                 self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
             if pending:
                 time.sleep(poll)
-        return [n for n in nodes if n in self.partition_of]
+        return [n for n in nodes if n in self.directory]
 
     def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None:
-        """Record what a node said of its partition (``node-info``, or the split runtime's
-        ``split-info``, which answers the same and adds the node's data statistics)."""
-        self.partition_of[node] = int(partition_id)
-        if int(num_partitions or 0) > 0:
-            self.partition_count = int(num_partitions)
+        """Record what a node said of its partition (``node-info``, or an algorithm's own query
+        that carries it) in the node directory."""
+        self.directory.note(node, partition_id, num_partitions)
+
+    @property
+    def partition_of(self) -> dict[int, int]:
+        """node id -> partition id of every node known (a view of the node directory)."""
+        return self.directory.partitions()
+
+    @property
+    def partition_count(self) -> int:
+        """The nodes' ``num-partitions`` (0 until a node said it)."""
+        return self.directory.num_partitions
 
     def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict:
         """The records of a message for ``action``: the task, the algorithm config, and the
@@ -412,14 +421,17 @@ class BaseStrategy(Strategy):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume after the last completed round."""
+        """Everything needed to resume after the last completed round (every random draw of a
+        round is seeded by :func:`tasks.training.derive_seed` from the run seed and the round,
+        so no RNG state is kept)."""
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                "rng": self.rng.getstate(), "state-key": self.state_key, "initial-given": self.initial_given,
+                "state-key": self.state_key, "initial-given": self.initial_given,
                 "extra": self.extra_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (a checkpoint of an older version may hold an ``"rng"``
+        entry: it is ignored)."""
         self.model.load_state_dict(state["model"])
-        self.rng.setstate(state["rng"])
         self.state_key = str(state.get("state-key", self.state_key))
         self.initial_given = bool(state.get("initial-given", False))
         self.load_extra_state(state.get("extra", {}))

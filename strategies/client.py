@@ -33,10 +33,12 @@ from typing import Any, Callable
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from split_layer.records import CONFIG_KEY, message_type, node_partition, node_source
+from split_layer.records import message_type, node_partition, node_source
 from tasks.augment import Augmenter
 from tasks.config import ConfigError, TaskConfig
 from tasks.env import Env, NodeData, user_env
+
+from .registry import algorithm_for
 
 DataSource = NodeData | dict | Callable[[Context], "NodeData | dict"]
 
@@ -112,13 +114,9 @@ class AlgorithmClient:
     # ------------------------------------------------------------------ Flower's side
     def handle(self, msg: Message, context: Context) -> Message:
         """Answer ``msg`` (any action of this algorithm) with the user's model and data."""
-        cfg = msg.content.config_records.get(CONFIG_KEY)
-        algo = str(cfg.get("algo", "")) if cfg is not None else ""
-        if algo not in self.specs:
-            raise ValueError(f"{type(self).__name__} answers algo {', '.join(self.specs)}; the message asks "
-                             f"for algo={algo!r}")
+        spec = algorithm_for(msg, self.specs, type(self).__name__)
         with node_source(self.env):
-            return self.specs[algo].handle(msg, context)
+            return spec.handle(msg, context)
 
     @property
     def actions(self) -> list[str]:
@@ -146,12 +144,7 @@ def client_app(*clients: AlgorithmClient) -> ClientApp:
             by_algo[name] = c
 
     def handle(msg: Message, context: Context) -> Message:
-        cfg = msg.content.config_records.get(CONFIG_KEY)
-        algo = str(cfg.get("algo", "")) if cfg is not None else ""
-        if algo not in by_algo:
-            raise ValueError(f"this ClientApp serves algo {', '.join(sorted(by_algo))}; the message asks for "
-                             f"algo={algo!r}")
-        return by_algo[algo].handle(msg, context)
+        return algorithm_for(msg, by_algo).handle(msg, context)
 
     return register_actions(ClientApp(), sorted({a for c in clients for a in c.actions}), handle)
 

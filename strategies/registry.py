@@ -198,11 +198,8 @@ class AlgorithmSpec:
             return None
         default = self.config_cls()
         base = cfg if cfg is not None else default
-        for name, fixed in self.overrides.items():
-            value = options.get(name, getattr(base, name))
-            if (name in options or value != getattr(default, name)) and value != fixed:
-                raise ConfigError(f"{name}={value!r} contradicts algo={self.name!r}, which fixes {name}={fixed!r} "
-                                  f"({self.description or 'a variant'})")
+        values = {name: options.get(name, getattr(base, name)) for name in self.overrides}
+        self.check_switches(values, {n for n, v in values.items() if n in options or v != getattr(default, n)})
         try:
             out = replace_checked(base, **options)
         except TypeError as e:
@@ -224,20 +221,30 @@ class AlgorithmSpec:
         if self.overrides:
             given = set(explicit or ())
             default = self.config_cls()
-            for name, fixed in self.overrides.items():
-                key = key_of(name, self.namespace)
-                value = getattr(cfg, name)
-                user_set = key in given or (key in flat and value != getattr(default, name))
-                if user_set and value != fixed:
-                    other = [n for n in algorithm_names() if n != self.name
-                             and module_of(n) == module_of(self.name)
-                             and get_algorithm(n).overrides.get(name, value) == value]
-                    hint = f", or choose algo {' / '.join(repr(n) for n in other)}" if other else ""
-                    raise ConfigError(
-                        f"{key}={_show(value)} contradicts algo={self.name!r}, which fixes "
-                        f"{key}={_show(fixed)} ({self.description or 'a variant'}): drop the key{hint}")
+            values = {name: getattr(cfg, name) for name in self.overrides}
+            key = {name: key_of(name, self.namespace) for name in self.overrides}
+            self.check_switches(values, {n for n, v in values.items() if key[n] in given
+                                         or (key[n] in flat and v != getattr(default, n))}, run_config=True)
             cfg = dataclasses.replace(cfg, **self.overrides)
         return cfg
+
+    def check_switches(self, values: dict[str, Any], user_set: set[str], run_config: bool = False) -> None:
+        """The one check of a variant's fixed switches (:attr:`overrides`) against what the user
+        asked for: a switch in ``user_set`` whose value in ``values`` is not the fixed one is a
+        :class:`ConfigError` naming both, as a run-config key (``run_config``: ``scala.x=true``,
+        with the variants that allow the value) or as a keyword (``x=True``)."""
+        for name, fixed in self.overrides.items():
+            value = values[name]
+            if name not in user_set or value == fixed:
+                continue
+            key, show, advice = name, repr, ""
+            if run_config:
+                key, show = key_of(name, self.namespace), _show
+                other = [n for n in algorithm_names() if n != self.name and module_of(n) == module_of(self.name)
+                         and get_algorithm(n).overrides.get(name, value) == value]
+                advice = ": drop the key" + (f", or choose algo {' / '.join(repr(n) for n in other)}" if other else "")
+            raise ConfigError(f"{key}={show(value)} contradicts algo={self.name!r}, which fixes {key}={show(fixed)} "
+                              f"({self.description or 'a variant'}){advice}")
 
 
 def _show(v: Any) -> str:
@@ -277,6 +284,29 @@ def get_algorithm(name: str) -> AlgorithmSpec:
         if name not in _REGISTERED:
             raise ConfigError(f"module {module} did not register algo={name!r}")
     return _REGISTERED[name]
+
+
+def algorithm_for(msg: Message, served: dict[str, Any] | None = None, who: str = "this ClientApp",
+                  context: Context | None = None) -> Any:
+    """The one lookup of the algorithm a server message names (``config["algo"]``, which every
+    message carries): ``served[name]`` (what a client serves: specs, or one client per
+    algorithm), or with ``served=None`` the registry's :class:`AlgorithmSpec` (an algorithm
+    from outside the library is imported first from ``context``'s run config ``algo-modules``).
+    A message without ``algo`` or naming another algorithm is a ``ValueError`` (a
+    ``ConfigError`` from the registry) that names what is served."""
+    from split_layer.records import CONFIG_KEY
+
+    cfg = msg.content.config_records.get(CONFIG_KEY)
+    if cfg is None or "algo" not in cfg:
+        raise ValueError(f"malformed message: no '{CONFIG_KEY}' record with an 'algo' entry")
+    algo = str(cfg["algo"])
+    if served is None:
+        if algo not in algorithm_names() and context is not None:
+            import_modules(str((context.run_config or {}).get("algo-modules", "")))
+        return get_algorithm(algo)
+    if algo not in served:
+        raise ValueError(f"{who} serves algo {', '.join(sorted(served))}; the message asks for algo={algo!r}")
+    return served[algo]
 
 
 def unregister(*names: str) -> None:

@@ -47,9 +47,6 @@ config ``split-batch`` (B_k), ``split-iters`` (I); replies of steps 1..I carry
 ``split-tensors`` ``act`` (float32 [B_k, *A]) and ``labels`` (int64 [B_k]); steps 2..I+1
 carry ``split-tensors["act"]`` = G_k of the previous step; the reply of step I+1 carries
 ``split-arrays.bottom`` and ``metrics["num-examples"]``.
-
-Fault-injection knobs (testing only): ``scala.fault-partition`` / ``scala.fault-step``
-make the node with that partition id raise at that split step of every round.
 """
 from __future__ import annotations
 
@@ -86,8 +83,6 @@ class ScalaConfig:
                             help="concat (SCALA, CA-SFL) | per-client (SplitFedV1, LLA-SFL) | sequential (SplitFedV2)")
     logit_adjust: bool = knob(True, help="g_bal with P_s (server) and P_k (client gradients)")
     prior: str = knob("histogram", choices=("histogram", "batch"), help="source of P_s and P_k (spec 8.1)")
-    fault_partition: int = knob(-1, lo=-1, help="TESTING ONLY: this partition id raises at fault-step")
-    fault_step: int = knob(0, lo=0, help="TESTING ONLY: split step at which fault-partition raises")
 
 
 def batch_shares(sizes, total: int, key: str = "scala.total-batch", min_share: int = 1) -> list[int]:
@@ -206,7 +201,7 @@ class ScalaStrategy(SplitStrategy):
         for n, y, pk in zip(nodes, ys, p_k):
             top, opt = self.copies[n] if self.mode == "per-client" else (self.top, self.opt)
             a = payloads[n]["act"].clone().requires_grad_(True)
-            with seeded(self._srv_seed(step, self.info[n]["partition"]), self.env.device):
+            with seeded(self._srv_seed(step, self.directory[n]["partition"]), self.env.device):
                 logits = top(a)
             loss = self.loss_rows(logits, y, pk).mean()
             opt.zero_grad(set_to_none=True)

@@ -99,6 +99,7 @@ __all__ = [
     "MODELS",
     "NORMS",
     "StagedModel",
+    "check_cut",
     "as_staged",
     "build_model",
     "classifier_prefix",
@@ -115,6 +116,17 @@ __all__ = [
 ]
 
 NORMS = ("bn", "gn", "none")
+
+
+def check_cut(cut: str | None, stage_names: Sequence[str], what: str, hint: str = "",
+              error: type[Exception] = ValueError) -> str:
+    """The one check of a cut point: ``cut`` must name a stage other than the last (the head),
+    i.e. one of ``StagedModel.cut_points``; returns it. Otherwise ``error(f"{what}; allowed:
+    <cut points>{hint}")`` (``what`` names the key and the model)."""
+    points = list(stage_names)[:-1]
+    if not cut or cut not in points:
+        raise error(f"{what}; allowed: {', '.join(points)}{hint}")
+    return cut
 
 
 # ---------------------------------------------------------------------------
@@ -147,9 +159,7 @@ class StagedModel(nn.Module):
             raise ValueError("a StagedModel needs at least two stages")
         if not any(isinstance(m, nn.Linear) for m in self.stages[names[-1]].modules()):
             raise ValueError("the last stage (the head) must contain the output nn.Linear")
-        if default_cut not in names[:-1]:
-            raise ValueError(f"default_cut={default_cut!r} is not one of {', '.join(names[:-1])}")
-        self.default_cut = default_cut
+        self.default_cut = check_cut(default_cut, names, f"default_cut={default_cut!r} is not a cut point")
         self.config = dict(config or {})
 
     # -- structure ---------------------------------------------------------
@@ -246,9 +256,7 @@ def as_staged(model, cut: str | None = None) -> StagedModel:
         return StagedModel("custom", [("bottom", model[0]), ("top", model[1])], default_cut="bottom")
     if isinstance(model, nn.Sequential):
         names = [n for n, _ in model.named_children()]
-        if not cut or cut not in names[:-1]:
-            raise ValueError(f"cut={cut!r}: an nn.Sequential is cut after one of its children; "
-                             f"allowed: {', '.join(names[:-1])}")
+        check_cut(cut, names, f"cut={cut!r}: an nn.Sequential is cut after one of its children")
         return StagedModel("sequential", list(model.named_children()), default_cut=cut)
     raise ValueError(f"a split algorithm needs a StagedModel, a (bottom, top) pair or an nn.Sequential with "
                      f"a cut; got {type(model).__name__}")

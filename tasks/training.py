@@ -1,8 +1,8 @@
 """Local training loops, evaluation and their helpers: plain torch, no Flower.
 
-Every algorithm's client and server code trains through these: seeded mini-batch cursors
-(:func:`batch_indices`), SGD from the task config (:func:`make_sgd`), the supervised and
-FixMatch local loops and the accuracy/loss/per-class evaluation. ``load_numpy_state`` is
+Every algorithm's client and server code trains through these: the one seeded mini-batch
+cursor (:func:`batch_at`; :func:`batch_indices` iterates it), SGD from the task config
+(:func:`make_sgd`), the supervised and FixMatch local loops and the accuracy/loss/per-class evaluation. ``load_numpy_state`` is
 the one state-dict <- numpy conversion (checked keys, shapes and finiteness); its Flower
 counterparts (``ArrayRecord``) live in :mod:`split_layer.records`.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
@@ -25,6 +26,18 @@ def derive_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (run seed, round, node, step, purpose...)."""
     h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(h[:8], "little") >> 1
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device | None = None):
+    """The library's one way to seed torch's global RNG: run a block under ``seed`` (augmentation
+    draws, dropout masks, initialisation) and restore the RNG state afterwards, so nothing
+    outside the block (the user's code, another algorithm in the same process) is disturbed.
+    Mini-batch order uses explicit ``torch.Generator`` objects seeded from :func:`derive_seed`."""
+    devices = [device.index or 0] if (device is not None and device.type == "cuda") else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,21 +92,58 @@ def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def batch_at(n: int, batch_size: int, step: int, perm: Callable[[int], torch.Tensor], *,
+             fixed: bool = False) -> torch.Tensor:
+    """The library's one mini-batch rule: indices of local step ``step`` (0-based) of a cursor
+    over reshuffled epochs, ``perm(e)`` being the permutation of ``range(n)`` of epoch ``e``.
+
+    * ``fixed=False`` (local training, :func:`batch_indices`): each epoch is cut by
+      :func:`batch_bounds`, so batches never cross an epoch, the last one is kept short and
+      is never of size 1 when ``batch_size > 1`` (a data set of one sample is a batch of that
+      sample twice, which leaves cross-entropy unchanged);
+    * ``fixed=True`` (split learning, whose streams have a fixed shape): positions
+      ``[step*b, (step+1)*b)`` of ``perm(0) ++ perm(1) ++ ...``: every batch has exactly
+      ``batch_size`` samples, every sample is seen once per epoch.
+
+    Stateless: with ``perm`` from :func:`seeded_perms` any step's batch is recomputed from
+    ``(seed, step)`` alone (the split worker's two forward passes of one step)."""
+    if n <= 0 or batch_size <= 0:
+        raise ValueError(f"cannot draw a batch of {batch_size} from {n} samples")
+    if not fixed:
+        bounds = batch_bounds(n, batch_size)
+        e, j = divmod(step, len(bounds))
+        s, t = bounds[j]
+        idx = perm(e)[s:t]
+        return idx if (t - s > 1 or batch_size == 1) else idx.repeat(2)
+    start, stop = step * batch_size, (step + 1) * batch_size
+    out = []
+    for e in range(start // n, (stop - 1) // n + 1):
+        lo, hi = max(start - e * n, 0), min(stop - e * n, n)
+        out.append(perm(e)[lo:hi])
+    return torch.cat(out)
+
+
+def seeded_perms(n: int, seed: int) -> Callable[[int], torch.Tensor]:
+    """``perm(e)`` for :func:`batch_at`: epoch ``e``'s permutation seeded by ``derive_seed(seed, e)``
+    (random access: no generator state to carry from one message to the next)."""
+    return lambda e: torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, e)))
+
+
 def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[torch.Tensor]:
-    """``steps`` mini-batches of indices: reshuffled epochs, cycled, last batch kept short
-    (never of size 1 when ``batch_size > 1``: see :func:`batch_bounds`; a data set of one
-    sample is a batch of that sample twice, which leaves cross-entropy unchanged)."""
+    """``steps`` mini-batches of :func:`batch_at` (epochs cut by :func:`batch_bounds`), the
+    epochs' permutations drawn from ``gen`` one after another as the cursor reaches them."""
     if n == 0:
         return
-    done = 0
-    bounds = batch_bounds(n, batch_size)
-    while done < steps:
-        perm = torch.randperm(n, generator=gen)
-        for s, e in bounds:
-            yield perm[s:e] if (e - s > 1 or batch_size == 1) else perm[s:e].repeat(2)
-            done += 1
-            if done == steps:
-                return
+    current: dict[int, torch.Tensor] = {}   # the epoch the cursor is in -> its permutation
+
+    def perm(e: int) -> torch.Tensor:
+        if e not in current:   # (the cursor only moves forward, one epoch at a time)
+            current.clear()
+            current[e] = torch.randperm(n, generator=gen)
+        return current[e]
+
+    for i in range(steps):
+        yield batch_at(n, batch_size, i, perm)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -120,19 +170,19 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
     """
     model.train()
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
     transform = getattr(aug, view)
     total, seen = 0.0, 0
-    for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
-        if lr_fn is not None:
-            set_lr(optimizer, lr_fn(i))
-        xb, yb = to_device_batch(data, idx, device)
-        loss = F.cross_entropy(model(transform(xb)), yb)
-        optimizer.zero_grad(set_to_none=True)
-        (loss + regularizer() if regularizer is not None else loss).backward()
-        optimizer.step()
-        total += float(loss.detach()) * len(idx)
-        seen += len(idx)
+    with seeded(seed, device):   # augmentation and dropout draws
+        for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
+            if lr_fn is not None:
+                set_lr(optimizer, lr_fn(i))
+            xb, yb = to_device_batch(data, idx, device)
+            loss = F.cross_entropy(model(transform(xb)), yb)
+            optimizer.zero_grad(set_to_none=True)
+            (loss + regularizer() if regularizer is not None else loss).backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+            seen += len(idx)
     return {"train-loss": total / max(seen, 1), "num-examples": float(seen)}
 
 
@@ -158,36 +208,36 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
     model.train()
     gen_l = torch.Generator().manual_seed(seed)
     gen_u = torch.Generator().manual_seed(seed + 1)
-    torch.manual_seed(seed)
     lab = iter(batch_indices(len(labeled), batch_size, steps, gen_l))
     unl = iter(batch_indices(len(unlabeled), unlabeled_batch_size, steps, gen_u))
     total = kept = correct = seen_u = seen = 0.0
-    for _ in range(steps):
-        il, iu = next(lab, None), next(unl, None)
-        if il is None and iu is None:
-            break
-        loss = torch.zeros((), device=device)
-        if il is not None:
-            xb, yb = to_device_batch(labeled, il, device)
-            loss = loss + F.cross_entropy(model(aug.weak(xb)), yb)
-            seen += len(il)
-        if iu is not None:
-            xu, yu = to_device_batch(unlabeled, iu, device)
-            xw, xs = aug.weak_strong(xu)
-            with torch.no_grad():
-                pw = torch.softmax(model(xw), dim=1)
-            lu, mask = masked_pseudo_label_ce(model(xs), pw, tau)
-            loss = loss + lambda_u * lu
-            kept += float(mask.sum())
-            correct += float(((pw.argmax(1) == yu).float() * mask).sum())
-            seen_u += len(iu)
-            seen += len(iu)
-        if regularizer is not None:
-            loss = loss + regularizer()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total += float(loss.detach())
+    with seeded(seed, device):   # augmentation and dropout draws
+        for _ in range(steps):
+            il, iu = next(lab, None), next(unl, None)
+            if il is None and iu is None:
+                break
+            loss = torch.zeros((), device=device)
+            if il is not None:
+                xb, yb = to_device_batch(labeled, il, device)
+                loss = loss + F.cross_entropy(model(aug.weak(xb)), yb)
+                seen += len(il)
+            if iu is not None:
+                xu, yu = to_device_batch(unlabeled, iu, device)
+                xw, xs = aug.weak_strong(xu)
+                with torch.no_grad():
+                    pw = torch.softmax(model(xw), dim=1)
+                lu, mask = masked_pseudo_label_ce(model(xs), pw, tau)
+                loss = loss + lambda_u * lu
+                kept += float(mask.sum())
+                correct += float(((pw.argmax(1) == yu).float() * mask).sum())
+                seen_u += len(iu)
+                seen += len(iu)
+            if regularizer is not None:
+                loss = loss + regularizer()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
     n_steps = max(steps, 1)
     return {"train-loss": total / n_steps, "num-examples": float(seen),
             "mask-rate": kept / seen_u if seen_u else 0.0,

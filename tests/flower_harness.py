@@ -150,3 +150,19 @@ def max_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two state dicts of torch tensors (same keys)."""
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def split_reference(task, k: int):
+    """An in-process reference of a split run over ``k`` clients (the equivalence tests): the
+    library's model for ``task`` in train mode, its cut, its top part, and each client's labeled
+    set; returns ``(env, model, cut, top, datas)``."""
+    from split_layer.cut import resolve_cut, split_model
+    from tasks.env import library_env
+
+    env = library_env(task, k, "all")
+    model = env.build_model()
+    model.train()
+    cut = resolve_cut(model, task.cut)
+    _, top = split_model(model, cut)
+    datas = [env.bundle.train.subset(env.plan.clients[i].labeled) for i in range(k)]
+    return env, model, cut, top, datas

@@ -6,7 +6,8 @@ import copy
 import numpy as np
 import pytest
 
-from tests.flower_harness import max_diff
+from tests.flower_harness import max_diff, split_reference
+from tests.split_faults import fail_at
 import torch
 import torch.nn.functional as F
 
@@ -72,7 +73,7 @@ def _fake_round(s, hists):
     nodes = list(range(101, 101 + len(hists)))
     for i, (n, h) in enumerate(zip(nodes, hists)):
         h = np.asarray(h, dtype=np.int64)
-        s.info[n] = {"partition": i, "n": int(h.sum()), "hist": h}
+        s.directory.note(n, i, n=int(h.sum()), hist=h)
     s.begin_round(1, nodes)
     return nodes
 
@@ -198,24 +199,17 @@ def _v2_reference(extra: str = "", fail: tuple[int, int] | None = None) -> dict[
     from split_layer.cut import (
         bottom_state_keys,
         load_bottom_state,
-        resolve_cut,
         split_model,
     )
-    from split_layer.worker import batch_seed, forward_seed, seeded, step_batch
+    from split_layer.worker import batch_seed, forward_seed
     from tasks.aggregate import weighted_mean
-    from tasks.env import library_env
-    from tasks.training import derive_seed, make_sgd, to_device_batch
+    from tasks.training import batch_at, derive_seed, make_sgd, seeded, seeded_perms, to_device_batch
 
     p = _v2_parsed(extra)
     task, cfg = p.task, p.algo
-    env = library_env(task, V2_K, "all")
-    model = env.build_model()
-    model.train()
-    cut = resolve_cut(model, task.cut)
-    _, top = split_model(model, cut)
+    env, model, cut, top, datas = split_reference(task, V2_K)
     tparams = list(top.parameters())
     opt_top = make_sgd(tparams, task)
-    datas = [env.bundle.train.subset(env.plan.clients[k].labeled) for k in range(V2_K)]
     sizes = [len(d) for d in datas]
     for rnd in range(1, V2_ROUNDS + 1):
         shares = batch_shares(sizes, cfg.total_batch, min_share=2)   # BatchNorm: B_k >= 2
@@ -227,7 +221,8 @@ def _v2_reference(extra: str = "", fail: tuple[int, int] | None = None) -> dict[
             opt = make_sgd(bparams, task)
             failed = False
             for i in range(1, cfg.local_iterations + 1):
-                idx = step_batch(sizes[k], shares[k], i, batch_seed(task.seed, rnd, k))
+                idx = batch_at(sizes[k], shares[k], i - 1, seeded_perms(sizes[k], batch_seed(task.seed, rnd, k)),
+                               fixed=True)
                 xb, yb = to_device_batch(datas[k], idx, env.device)
                 with seeded(forward_seed(task.seed, rnd, k, i)):
                     act = bottom(env.augmenter.weak(xb))
@@ -270,12 +265,12 @@ class _Visits(ScalaStrategy):
 
 
 def _v2_run(extra: str = "", transport: str = "message", min_nodes: int = 2, rounds: int = V2_ROUNDS,
-            strategy_cls=None):
+            strategy_cls=None, handler=None):
     from flower_apps.client_app import dispatch
     from split_layer.transport import LocalGrid
 
     p = _v2_parsed(extra)
-    grid = LocalGrid(V2_K, dispatch, threaded=transport == "stream")   # the stream needs threads
+    grid = LocalGrid(V2_K, handler or dispatch, threaded=transport == "stream")   # the stream needs threads
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
         min_nodes=min_nodes, round_timeout=30, split_transport=transport))
     rows = []
@@ -351,29 +346,31 @@ def test_splitfed_v2_server_sees_each_node_for_all_its_iterations_in_turn():
             np.testing.assert_array_equal(rec[k].numpy(), firsts[0][k].numpy(), err_msg=k)
 
 
+@pytest.mark.parametrize("transport", ["message", "stream"])
 @pytest.mark.parametrize("fault_step", [2, 4])
-def test_splitfed_v2_node_failing_mid_round_is_dropped_and_the_others_aggregated(fault_step):
+def test_splitfed_v2_node_failing_mid_round_is_dropped_and_the_others_aggregated(fault_step, transport,
+                                                                                  monkeypatch):
     """Partition 1 raises at split-step 2 (after one server step) or I + 1 (the final reply):
     it is dropped, the other clients finish and their bottoms are averaged. It visits first
-    in round 1 and last in round 2 (seed 3), so clients after it and before it both count."""
-    extra = f"scala.fault-partition=1 scala.fault-step={fault_step}"
-    s, grid, rows = _v2_run(extra)
+    in round 1 and last in round 2 (seed 3), so clients after it and before it both count.
+    Over messages and over the stream (where step k is a frame of the session)."""
+    s, grid, rows = _v2_run(transport=transport, handler=fail_at(monkeypatch, 1, fault_step))
     failed = [n for n, k in _partition_of(grid).items() if k == 1]
     for r in rows:
         assert r["dropped"] == failed and r["participants"] == V2_K - 1 and "skipped" not in r
         assert len(r["batch-sizes"]) == V2_K - 1 and np.isfinite(r["accuracy"])
-    ref = _v2_reference(extra, fail=(1, fault_step))
+    ref = _v2_reference(fail=(1, fault_step))
     d = max_diff({k: v.detach() for k, v in s.model.state_dict().items()}, ref)
     assert d <= 1e-5, f"max abs diff {d}"
 
 
-def test_splitfed_v2_too_few_can_finish_skips_and_restores():
+def test_splitfed_v2_too_few_can_finish_skips_and_restores(monkeypatch):
     """min-nodes = 3 and partition 1 fails at step 2: each round is skipped (server part
     restored) as soon as fewer than 3 nodes can still finish. Round 1 (order 1, 0, 2): at
     once, the later nodes never start; round 2 (order 2, 0, 1): after two clients already
     stepped the shared top, which the restore undoes."""
     assert [_v2_order(3, r, V2_K) for r in (1, 2)] == [[1, 0, 2], [2, 0, 1]]   # seed=3
-    s, grid, rows = _v2_run("scala.fault-partition=1 scala.fault-step=2", min_nodes=3, rounds=2)
+    s, grid, rows = _v2_run(min_nodes=3, rounds=2, handler=fail_at(monkeypatch, 1, 2))
     part = _partition_of(grid)
     for r in rows:
         assert r["skipped"] == 1 and r["participants"] == 2 and [part[n] for n in r["dropped"]] == [1]

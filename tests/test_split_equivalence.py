@@ -29,18 +29,17 @@ from flower_apps.simulate import fused_run_config
 from split_layer.cut import (
     bottom_state_keys,
     load_bottom_state,
-    resolve_cut,
     split_model,
 )
 from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
-from split_layer.worker import batch_seed, forward_seed, seeded, step_batch
+from split_layer.worker import batch_seed, forward_seed, seeded
 from strategies.scala import batch_shares
 from tasks.aggregate import weighted_mean
 from tasks.env import library_env
 from tasks.losses import logit_adjusted_ce
-from tasks.training import derive_seed, make_sgd, to_device_batch
-from tests.flower_harness import max_diff
+from tasks.training import batch_at, derive_seed, make_sgd, seeded_perms, to_device_batch
+from tests.flower_harness import max_diff, split_reference
 
 K = 3
 ROUNDS = 2
@@ -65,13 +64,8 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
     """Train in one process, same batches/seeds/losses; return the final global state dict."""
     p = parsed(algo, extra)
     task, cfg = p.task, p.algo
-    env = library_env(task, K, "all")
-    model = env.build_model()
-    model.train()
-    cut = resolve_cut(model, task.cut)
-    _, top = split_model(model, cut)
+    env, model, cut, top, datas = split_reference(task, K)
     opt_top = make_sgd(top.parameters(), task)
-    datas = [env.bundle.train.subset(env.plan.clients[k].labeled) for k in range(K)]
     sizes = [len(d) for d in datas]
     hists = [np.bincount(d.y, minlength=env.num_classes) for d in datas]
     for rnd in range(1, ROUNDS + 1):
@@ -85,7 +79,8 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
             for k in (int(x) for x in order):
                 bparams = list(bottoms[k].parameters())
                 for i in range(1, cfg.local_iterations + 1):
-                    idx = step_batch(sizes[k], shares[k], i, batch_seed(task.seed, rnd, k))
+                    idx = batch_at(sizes[k], shares[k], i - 1, seeded_perms(sizes[k], batch_seed(task.seed, rnd, k)),
+                                   fixed=True)
                     xb, yb = to_device_batch(datas[k], idx, env.device)
                     with seeded(forward_seed(task.seed, rnd, k, i)):
                         act = bottoms[k](env.augmenter.weak(xb))
@@ -102,7 +97,8 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
         for i in range(1, barrier_steps + 1):
             acts, ys = [], []
             for k in range(K):
-                idx = step_batch(sizes[k], shares[k], i, batch_seed(task.seed, rnd, k))
+                idx = batch_at(sizes[k], shares[k], i - 1, seeded_perms(sizes[k], batch_seed(task.seed, rnd, k)),
+                               fixed=True)
                 xb, yb = to_device_batch(datas[k], idx, env.device)
                 with seeded(forward_seed(task.seed, rnd, k, i)):
                     acts.append(bottoms[k](env.augmenter.weak(xb)))

@@ -21,7 +21,8 @@ from split_layer.validation import (
     check_streams,
     check_tensor,
 )
-from split_layer.worker import step_batch
+from tasks.training import batch_at, batch_indices, seeded_perms
+from tests.split_faults import fail_at
 from strategies.scala import ScalaStrategy
 
 I = 2
@@ -32,13 +33,15 @@ def _parsed(extra="", algo="scala"):
         f"algo='{algo}' model='cnn' norm='bn' scala.local-iterations={I} scala.total-batch=30 seed=5 {extra}"]))
 
 
-def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, algo="scala"):
+def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, algo="scala", transport="message",
+         fraction=1.0):
     p = _parsed(extra, algo)
-    grid = LocalGrid(3, handler)
-    s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name,
-                                              RoundPolicy(min_nodes=min_nodes, round_timeout=30))
+    grid = LocalGrid(3, handler, threaded=transport == "stream")   # the stream needs every node at once
+    s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
+        min_nodes=min_nodes, round_timeout=30, split_transport=transport, fraction_train=fraction))
     rows = []
     s.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
+    grid.join()
     return s, grid, rows
 
 
@@ -107,16 +110,25 @@ def test_visit_groups_must_split_the_nodes():
         _run(strategy_cls=_BadGroups)
 
 
-def test_one_of_three_fails_mid_round_and_round_finishes():
-    s, grid, rows = _run("scala.fault-partition=1 scala.fault-step=2")
-    r = rows[0]
+@pytest.mark.parametrize("transport", ["message", "stream"])
+@pytest.mark.parametrize("step", [2, I + 1])
+def test_one_of_three_fails_mid_round_and_round_finishes(monkeypatch, transport, step):
+    """Partition 1 raises at split step 2 (mid-round) or I + 1 (its final reply): it is dropped,
+    the round finishes with the other two, whose bottoms are aggregated (the model moved)."""
+    s, grid, rows = _run(handler=fail_at(monkeypatch, 1, step), transport=transport, rounds=2)
     failed = [n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 1]
-    assert r["dropped"] == failed and r["participants"] == 2 and "skipped" not in r
-    assert len(r["batch-sizes"]) == 2 and np.isfinite(r["accuracy"])
+    for r in rows:
+        assert r["dropped"] == failed and r["participants"] == 2 and "skipped" not in r, r
+        assert len(r["batch-sizes"]) == 2 and np.isfinite(r["accuracy"])
+    fresh = s.env.build_model().state_dict()
+    assert max(float((fresh[k].float() - v.float()).abs().max()) for k, v in bottom_state(s.model, s.cut).items()) > 0
+    said = [m for m in grid.sent if m.metadata.message_type == "query.split" and m.metadata.dst_node_id in failed]
+    if transport == "message":   # it got messages 1..step, no more, in each round
+        assert [int(m.content.config_records["config"]["split-step"]) for m in said] == [*range(1, step + 1)] * 2
 
 
-def test_too_few_left_skips_cleanly_and_restores_server_part():
-    s, grid, rows = _run("scala.fault-partition=1 scala.fault-step=2", min_nodes=3)
+def test_too_few_left_skips_cleanly_and_restores_server_part(monkeypatch):
+    s, grid, rows = _run(min_nodes=3, handler=fail_at(monkeypatch, 1, 2))
     assert rows[0]["skipped"] == 1 and rows[0]["participants"] == 2 and len(rows[0]["dropped"]) == 1
     fresh = s.env.build_model().state_dict()     # same seeded init: nothing was applied
     assert all(torch.equal(fresh[k], v) for k, v in s.model.state_dict().items())
@@ -167,12 +179,30 @@ def test_validation_messages():
         check_streams({"act": np.zeros((2, 3), np.float32)}, {"act": spec, "labels": TensorSpec((2,), "int64")})
 
 
-def test_step_batch_cursor():
-    b = [step_batch(10, 4, s, 123) for s in (1, 2, 3, 4, 5)]
-    assert torch.equal(b[0], step_batch(10, 4, 1, 123))                    # recomputable
+def test_split_batch_cursor():
+    """The split worker's batches: fixed size across epochs, each sample once per epoch, any
+    step recomputable from (seed, step) alone."""
+    def step_batch(s):
+        return batch_at(10, 4, s, seeded_perms(10, 123), fixed=True)
+
+    b = [step_batch(s) for s in range(5)]
+    assert torch.equal(b[3], step_batch(3))                                # recomputable, in any order
     first_epoch = torch.cat(b)[:10]
     assert sorted(first_epoch.tolist()) == list(range(10))                 # each sample once per epoch
     assert all(len(x) == 4 for x in b)
+    assert torch.cat(b)[10:20].tolist() != first_epoch.tolist()            # a new permutation per epoch
+
+
+def test_local_batches_are_the_epoch_cut_of_the_same_cursor():
+    """``batch_indices`` (local training) iterates ``batch_at``: epochs cut by batch_bounds (no
+    batch of 1: 10 = 4 + 4 + 2 and 9 = 4 + 5), permutations drawn from the generator in turn."""
+    got = list(batch_indices(10, 4, 7, torch.Generator().manual_seed(1)))
+    assert [len(x) for x in got] == [4, 4, 2, 4, 4, 2, 4]
+    gen = torch.Generator().manual_seed(1)
+    perms = [torch.randperm(10, generator=gen) for _ in range(3)]
+    assert torch.equal(torch.cat(got[:3]), perms[0]) and torch.equal(torch.cat(got[3:6]), perms[1])
+    assert [len(x) for x in batch_indices(9, 4, 2, torch.Generator())] == [4, 5]
+    assert [len(x) for x in batch_indices(1, 4, 2, torch.Generator())] == [2, 2]   # one sample: twice
 
 
 @pytest.mark.e2e
@@ -180,23 +210,40 @@ def test_step_batch_cursor():
 def test_fault_through_simulation_engine(tmp_path, monkeypatch, transport):
     """One of three SuperNodes raises mid-round in Flower's simulation engine; the run finishes.
 
-    Over the stream the same drop is proven on a real gRPC endpoint
-    (``tests/test_split_stream.py``: failing, broken and silent nodes) and the stream through
-    the engine by ``test_equivalence_simulation[stream]`` (one Ray start saved, issue 18)."""
-    from tests.flower_harness import (
-        ROOT,
-        hermetic_env,
-        read_metrics,
-        run_simulation_inprocess,
-    )
+    The failing node is the library's ClientApp under :class:`tests.split_faults.FailAt`
+    (pickled to the engine's Ray workers, which install it there). Over the stream the same
+    drop is proven on a real gRPC endpoint (``tests/test_split_stream.py``: failing, broken and
+    silent nodes) and the stream through the engine by ``test_equivalence_simulation[stream]``
+    (one Ray start saved, issue 18)."""
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from flower_apps.server_app import run
+    from strategies.client import register_actions
+    from strategies.registry import query_actions
+    from tests.flower_harness import ROOT, hermetic_env, read_metrics
+    from tests.split_faults import FailAt
 
     for k, v in hermetic_env(tmp_path).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cfg = {"algo": "scala", "num-rounds": 2, "scala.local-iterations": 2, "scala.total-batch": 30,
-           "scala.fault-partition": 1, "scala.fault-step": 2, "seed": 2, "split-transport": transport}
-    rows = read_metrics(run_simulation_inprocess(cfg, tmp_path / "results", 3, "fault",
-                                                 client_cpus=1.0 if transport == "message" else 0.5))
+    cfg = {**fused_run_config(None), "results-dir": str(tmp_path / "results"), "run-name": "fault",
+           "round-timeout": 300.0, "algo": "scala", "num-rounds": 2, "scala.local-iterations": 2,
+           "scala.total-batch": 30, "seed": 2, "split-transport": transport}
+    out = {}
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid, context):
+        out["folder"] = run(grid, cfg)
+
+    client = register_actions(ClientApp(), ["train", "evaluate", *query_actions()], FailAt(1, 2))
+    run_simulation(server_app=server, client_app=client, num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1.0 if transport == "message" else 0.5,
+                                                        "num_gpus": 0.0},
+                                   "init_args": {"logging_level": "ERROR"}})
+    rows = read_metrics(out["folder"])
     assert [r["round"] for r in rows] == [1, 2]
     for r in rows:
         assert r["participants"] == 2 and len(r["dropped"]) == 1 and not r.get("skipped")

@@ -171,10 +171,12 @@ def test_weight_diversity_on_hand_made_updates():
 
 def test_groups_are_contiguous_in_partition_id():
     s = SSFLStrategy(TaskConfig(server_labels=100), SSFLConfig(groups=2), "ssfl")
-    s.partition_of, s.partition_count = {100 + p: p for p in range(10)}, 10
+    for p in range(10):
+        s.note_partition(100 + p, p, 10)
     assert [s.group_of(100 + p) for p in range(10)] == [0] * 5 + [1] * 5
     s = SSFLStrategy(TaskConfig(server_labels=100), SSFLConfig(groups=3), "ssfl")
-    s.partition_of, s.partition_count = {p: p for p in range(7)}, 7
+    for p in range(7):
+        s.note_partition(p, p, 7)
     assert [s.group_of(p) for p in range(7)] == [0, 0, 0, 1, 1, 2, 2]
 
 
