@@ -125,6 +125,7 @@ from tasks.training import (
     derive_seed,
     load_numpy_state,
     make_sgd,
+    seeded,
     to_device_batch,
     trainable_keys,
 )
@@ -263,7 +264,6 @@ def local_train(model: torch.nn.Module, labeled, unlabeled, targets: torch.Tenso
                 d: Mapping[str, torch.Tensor] | None, device: torch.device, seed: int) -> dict[str, float]:
     """tau_k corrected SGD steps on CE + alpha0 (soft-label CE | MT consistency) + alpha2 r2."""
     model.train()
-    torch.manual_seed(seed)
     optimizer = make_sgd(model.parameters(), task)
     view = aug.weak if cfg.augment == "weak" else aug.test
     use_u = cfg.unsup_loss != "none" and len(unlabeled) > 0
@@ -278,36 +278,37 @@ def local_train(model: torch.nn.Module, labeled, unlabeled, targets: torch.Tenso
         for p in teacher.parameters():
             p.requires_grad_(False)
     sums = {"train-loss": 0.0, "sup-loss": 0.0, "unsup-loss": 0.0, "r2-loss": 0.0}
-    for _ in range(steps):
-        xl, yl = to_device_batch(labeled, next(lab), device)
-        if use_u:
-            iu = next(unl)
-            xu, _ = to_device_batch(unlabeled, iu, device)
-            logits = model(torch.cat([view(xl), view(xu)]))
-            ll, lu = logits[: len(xl)], logits[len(xl):]
-        else:
-            ll = model(view(xl))
-        sup = F.cross_entropy(ll, yl)
-        loss = sup
-        unsup = r2 = torch.zeros((), device=device)
-        if use_u:
-            if cfg.unsup_loss == "soft-label":
-                unsup = soft_ce(lu, targets[iu.to(targets.device)])
+    with seeded(seed, device):   # augmentation and dropout draws
+        for _ in range(steps):
+            xl, yl = to_device_batch(labeled, next(lab), device)
+            if use_u:
+                iu = next(unl)
+                xu, _ = to_device_batch(unlabeled, iu, device)
+                logits = model(torch.cat([view(xl), view(xu)]))
+                ll, lu = logits[: len(xl)], logits[len(xl):]
             else:
-                with torch.no_grad():
-                    pt = torch.softmax(teacher(view(xu)), 1)
-                unsup = ((torch.softmax(lu, 1) - pt) ** 2).sum(1).mean()
-            loss = loss + alpha0 * unsup
-            if cfg.alpha2 > 0:
-                r2 = kl_to_uniform(lu)
-                loss = loss + cfg.alpha2 * r2
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        corrected_step(model, optimizer, d)
-        if teacher is not None:
-            ema_update(teacher, model, cfg.ema_decay)
-        for k, v in (("train-loss", loss), ("sup-loss", sup), ("unsup-loss", unsup), ("r2-loss", r2)):
-            sums[k] += float(v.detach())
+                ll = model(view(xl))
+            sup = F.cross_entropy(ll, yl)
+            loss = sup
+            unsup = r2 = torch.zeros((), device=device)
+            if use_u:
+                if cfg.unsup_loss == "soft-label":
+                    unsup = soft_ce(lu, targets[iu.to(targets.device)])
+                else:
+                    with torch.no_grad():
+                        pt = torch.softmax(teacher(view(xu)), 1)
+                    unsup = ((torch.softmax(lu, 1) - pt) ** 2).sum(1).mean()
+                loss = loss + alpha0 * unsup
+                if cfg.alpha2 > 0:
+                    r2 = kl_to_uniform(lu)
+                    loss = loss + cfg.alpha2 * r2
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            corrected_step(model, optimizer, d)
+            if teacher is not None:
+                ema_update(teacher, model, cfg.ema_decay)
+            for k, v in (("train-loss", loss), ("sup-loss", sup), ("unsup-loss", unsup), ("r2-loss", r2)):
+                sums[k] += float(v.detach())
     return {k: v / max(steps, 1) for k, v in sums.items()}
 
 

@@ -6,7 +6,7 @@ FixProx, FixAvg plus FedProx's term, in :mod:`strategies.fixprox`).
 no weights exchanged. Local training is :func:`tasks.training.train_fixmatch` on the
 client's labeled and unlabeled data (``fixmatch-tau``, ``fixmatch-lambda-u``,
 ``fixmatch-uratio``). They use UM-pFSSL's config (``umpfssl.*`` keys, ``mode`` fixed by the
-variant) and its personalized evaluation (:class:`strategies.umpfssl.PersonalizedEvalStrategy`:
+variant) and its personalized evaluation (:class:`strategies.personalized.PersonalizedEvalStrategy`:
 each client's model on its own test split).
 
 Baseline client contract (``train``): ``fixavg``/``fixprox`` receive ``arrays`` (global
@@ -43,12 +43,12 @@ from tasks.training import (
 )
 
 from .client import AlgorithmClient
+from .personalized import PersonalizedEvalStrategy
 from .registry import bind
 from .umpfssl import (
     _HANDLERS,
     STATE_HEAD,
     STATE_MODEL,
-    PersonalizedEvalStrategy,
     UMPFSSLConfig,
     _algo_cfg,
     _env,

@@ -117,6 +117,7 @@ from tasks.training import (
     derive_seed,
     load_numpy_state,
     make_sgd,
+    seeded,
     set_lr,
     to_device_batch,
     train_supervised,
@@ -209,25 +210,25 @@ def train_unlabeled(model: torch.nn.Module, data: ArrayDataset, *, aug, steps: i
     """
     model.train()
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
     total, seen, kept, correct = 0.0, 0, 0.0, 0.0
     hist = None  # confident pseudo-labels per class (no true label involved)
-    for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
-        if lr_fn is not None:
-            set_lr(optimizer, lr_fn(i))
-        xb, yb = to_device_batch(data, idx, device)
-        xw = aug.weak(xb)
-        xs = aug.strong(xb) if kind == "crl" else None
-        loss, mask, pseudo = user_loss(model, xw, xs, tau, kind)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        total += float(loss.detach()) * len(idx)
-        seen += len(idx)
-        kept += float(mask.sum())
-        correct += float(((pseudo == yb).to(mask.dtype) * mask).sum())
-        counts = torch.bincount(pseudo[mask > 0].long())
-        hist = counts.cpu() if hist is None else _add_hist(hist, counts.cpu())
+    with seeded(seed, device):   # augmentation and dropout draws
+        for i, idx in enumerate(batch_indices(len(data), batch_size, steps, gen)):
+            if lr_fn is not None:
+                set_lr(optimizer, lr_fn(i))
+            xb, yb = to_device_batch(data, idx, device)
+            xw = aug.weak(xb)
+            xs = aug.strong(xb) if kind == "crl" else None
+            loss, mask, pseudo = user_loss(model, xw, xs, tau, kind)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+            seen += len(idx)
+            kept += float(mask.sum())
+            correct += float(((pseudo == yb).to(mask.dtype) * mask).sum())
+            counts = torch.bincount(pseudo[mask > 0].long())
+            hist = counts.cpu() if hist is None else _add_hist(hist, counts.cpu())
     # no confident pseudo-label all period: the loss had nothing to measure (not 0: absent)
     out = {**({"train-loss": total / max(seen, 1)} if kept > 0 else {}), "num-examples": float(seen),
            "mask-rate": kept / max(seen, 1), "pseudo-kept": kept,

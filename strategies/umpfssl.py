@@ -23,17 +23,22 @@ Math (MC-dropout, Eqs. 9-14)
 * ``P_j(y|x) = 1/T sum_t softmax(f_{w_j, mask_t}(x))``, ``H_j(x) = -sum_c P_c log P_c``
   (``tasks.mc_dropout.mc_dropout_predict``: dropout on, BatchNorm in eval mode).
 * ``Hbar(k|j) = mean_{x in D_k^u} H_j(x) / log C``, clamped ``>= entropy-floor`` ([R]: the
-  paper sums over x; the mean keeps Hbar in [0, 1] as its Section 5 assumes).
+  paper sums over x; the mean keeps Hbar in [0, 1] as its Section 5 assumes;
+  ``tasks.mc_dropout.normalized_entropy``).
 * ``Corr(k|j) = (1 - mu_k) / Hbar(k|j) + mu_k * Acc(D_k^s; argmax P_j)``; the first term is
   0 when D_k^u is empty, the second when D_k^s is empty; floored at ``CORR_FLOOR`` so the
-  aggregation weights are defined when every term is 0.
+  aggregation weights are defined when every term is 0 (``tasks.mc_dropout.relation_score``;
+  a client scores models with ``tasks.helper_selection.HelperScorer``).
 * Aggregation: ``w_k <- sum_{j in H_k} Corr(k|j) w_j / sum_j Corr(k|j)``
   (``tasks.aggregate.personalized_weighted``; self with its current weights).
 * Pseudo-labels: ``yhat(x) = P_{j*}(y|x)``, ``j* = argmin_{j in H_k} H_j(x)`` (soft), with
-  self = the freshly aggregated w_k (spec ambiguity 4).
+  self = the freshly aggregated w_k (spec ambiguity 4; ``tasks.mc_dropout.select_pseudo_labels``).
 * Local training, E epochs: one pass over labeled batches with ``mu_k * CE`` then one pass
   over unlabeled batches with ``(1 - mu_k) * KL(yhat || f_{w_k}(x))``
-  (``tasks.losses.kl_to_target``), weak augmentation, dropout on.
+  (``tasks.losses.kl_to_target``), weak augmentation, dropout on (``tasks.distill.train_distill``).
+* Helper list rules (Alg. 2) and Eq. 27: ``tasks.helper_selection`` (``replace_helpers``,
+  ``refresh_ids``, ``cost2``). The per-client evaluation of every variant is
+  :class:`strategies.personalized.PersonalizedEvalStrategy`.
 
 Rounds
 ------
@@ -84,11 +89,10 @@ import math
 import random
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -111,30 +115,28 @@ from split_layer.records import (
     query,
     record_to_numpy,
 )
-from .base import BaseStrategy
 from tasks.aggregate import personalized_weighted
 from tasks.config import ConfigError, knob
+from tasks.distill import train_distill
 from tasks.env import Env
-from tasks.losses import kl_to_target
-from tasks.mc_dropout import mc_dropout_predict
+from tasks.helper_selection import HelperScorer, refresh_ids, replace_helpers
+from tasks.mc_dropout import select_pseudo_labels
 from tasks.models import has_dropout, head_prefix
 from tasks.training import (
-    batch_indices,
     derive_seed,
     evaluate,
     load_numpy_state,
     make_sgd,
-    to_device_batch,
     train_supervised,
 )
 
 from .client import AlgorithmClient
+from .personalized import PersonalizedEvalStrategy
 from .registry import AlgorithmSpec, bind
 
 NS = "umpfssl"
 QUERY_ACTIONS = ("warmup", "select")   # this algorithm's own queries (strategies.registry)
 MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local")
-CORR_FLOOR = 1e-6
 STATE_HELPERS = "umpfssl.helpers"   # ConfigRecord: ids, versions, corr (non-self members)
 STATE_HEAD = "umpfssl.head"         # ArrayRecord: FedPer's local head
 STATE_MODEL = "umpfssl.model"       # ArrayRecord: local-only's model
@@ -164,80 +166,6 @@ class UMPFSSLConfig:
                               "(self is never replaced)")
 
 
-# =============================================================================== pure math
-def normalized_entropy(entropies: torch.Tensor, num_classes: int, floor: float = 1e-3) -> float:
-    """``Hbar = mean(H) / log C`` clamped ``>= floor`` (Eq. 14 with the [R] per-sample mean)."""
-    if entropies.numel() == 0:
-        raise ValueError("normalized_entropy needs at least one entropy value")
-    return max(float(entropies.mean()) / math.log(num_classes), floor)
-
-
-def relation_score(mu: float, entropies_u: torch.Tensor | None, probs_l: torch.Tensor | None,
-                   labels_l: torch.Tensor | None, num_classes: int, floor: float = 1e-3) -> float:
-    """``Corr(k|j) = (1 - mu_k) / Hbar + mu_k * Acc`` (Eq. 13) with the spec §3 edge cases.
-
-    ``entropies_u``: helper j's MC entropies on D_k^u (None/empty: first term 0);
-    ``probs_l``/``labels_l``: its MC mean on D_k^s and the labels (None/empty: second term 0).
-    Floored at ``CORR_FLOOR`` so that a list of all-zero scores still has weights.
-    """
-    corr = 0.0
-    if entropies_u is not None and entropies_u.numel() > 0:
-        corr += (1.0 - mu) / normalized_entropy(entropies_u, num_classes, floor)
-    if probs_l is not None and probs_l.shape[0] > 0:
-        acc = float((probs_l.argmax(1) == labels_l).float().mean())
-        corr += mu * acc
-    return max(corr, CORR_FLOOR)
-
-
-def select_pseudo_labels(probs: Sequence[torch.Tensor], entropies: Sequence[torch.Tensor]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 11: per sample, the MC mean of the helper with the lowest MC entropy.
-
-    ``probs[j]`` is ``[N, C]`` and ``entropies[j]`` is ``[N]`` for helper j. Returns
-    ``(yhat [N, C], j* [N])``; ties go to the first helper.
-    """
-    H = torch.stack(list(entropies))            # [M, N]
-    P = torch.stack(list(probs))                # [M, N, C]
-    choice = H.argmin(dim=0)                    # [N]
-    yhat = P[choice, torch.arange(P.shape[1])]
-    return yhat, choice
-
-
-def replace_helpers(members: list[tuple[int, int, float]], candidates: list[tuple[int, int, float]],
-                    R: int) -> tuple[list[tuple[int, int, float]], int]:
-    """REPLACEHELPER (Alg. 2) with the [R] greedy matching: best candidate vs worst member.
-
-    ``members``: non-self ``(id, version, corr)``; ``candidates`` likewise. Re = the R members
-    with the lowest Corr; candidates sorted by Corr descending are paired with Re sorted
-    ascending, and a pair swaps while the candidate's Corr is strictly higher. Returns the new
-    member list (order kept, swapped-in candidates take the slot) and the number of swaps.
-    """
-    if R <= 0 or not candidates or not members:
-        return list(members), 0
-    order = sorted(range(len(members)), key=lambda i: (members[i][2], i))[:R]     # worst first
-    cands = sorted(candidates, key=lambda c: (-c[2], c[0]))                      # best first
-    out, swaps = list(members), 0
-    for slot, cand in zip(order, cands):
-        if cand[2] > out[slot][2]:
-            out[slot] = cand
-            swaps += 1
-        else:
-            break  # later candidates are worse and later members better: no further swap
-    return out, swaps
-
-
-def refresh_ids(members: list[tuple[int, int, float]], latest: dict[int, int], R: int) -> list[int]:
-    """UPDATEHELPER (Alg. 2): ids of non-self members outside the R lowest Corr whose pool
-    version is newer than the cached one (self is always current: see module docstring)."""
-    lowest = set(sorted(range(len(members)), key=lambda i: (members[i][2], i))[:R])
-    return [m[0] for i, m in enumerate(members) if i not in lowest and latest.get(m[0], m[1]) > m[1]]
-
-
-def cost2(M: int, n: int, nu: int, F: int, R: int, k_bar: float) -> float:
-    """Eq. 27 in model transfers: ``(M n / nu + n + F R) K_bar``."""
-    return (M * n / nu + n + F * R) * k_bar
-
-
 # =============================================================================== client side
 def _algo_cfg(msg: Message) -> UMPFSSLConfig:
     return algo_config(msg, UMPFSSLConfig)
@@ -247,39 +175,14 @@ def _env(msg: Message, context: Context) -> Env:
     return client_env(msg, context, label_mode="dir2", with_test=True)
 
 
-def _tensors(env: Env, data) -> tuple[torch.Tensor, torch.Tensor]:
-    x = env.augmenter.test(torch.from_numpy(data.x).to(env.device))
-    return x, torch.from_numpy(data.y).to(env.device)
-
-
 def _load(env: Env, rec: ArrayRecord) -> torch.nn.Module:
     model = env.build_model()
     load_numpy_state(model, record_to_numpy(rec))
     return model
 
 
-class _Scorer:
-    """MC-dropout predictions and Corr of models on one client's data."""
-
-    def __init__(self, env: Env, cfg: UMPFSSLConfig, seed: int) -> None:
-        self.env, self.cfg, self.seed = env, cfg, seed
-        lab, unl = env.labeled(), env.unlabeled()
-        self.mu = len(lab) / max(len(lab) + len(unl), 1)
-        self.xl, self.yl = _tensors(env, lab)
-        self.xu, self.yu = _tensors(env, unl)
-
-    def predict(self, model: torch.nn.Module, x: torch.Tensor, tag: Any):
-        if x.shape[0] == 0:
-            return None, None
-        torch.manual_seed(derive_seed(self.seed, "mc", tag))
-        with torch.no_grad():
-            return mc_dropout_predict(model, x, self.cfg.mc_samples, batch_size=500)
-
-    def score(self, model: torch.nn.Module, tag: Any) -> tuple[float, Any, Any]:
-        pu, hu = self.predict(model, self.xu, ("u", tag))
-        pl, _ = self.predict(model, self.xl, ("l", tag))
-        corr = relation_score(self.mu, hu, pl, self.yl, self.env.num_classes, self.cfg.entropy_floor)
-        return corr, pu, hu
+def _scorer(env: Env, cfg: UMPFSSLConfig, seed: int) -> HelperScorer:
+    return HelperScorer(env, mc_samples=cfg.mc_samples, entropy_floor=cfg.entropy_floor, seed=seed)
 
 
 def _read_helpers(context: Context) -> tuple[list[int], list[int], list[float]] | None:
@@ -348,7 +251,7 @@ def client_select(msg: Message, context: Context) -> Message:
                 "adopting the server's (Corr unknown this round)", env.partition_id, mine, server_ids)
         corr = [math.inf] * len(server_ids)
     members = list(zip(server_ids, server_vers, corr))
-    scorer = _Scorer(env, cfg, derive_seed(env.task.seed, "umpfssl-select", rnd, env.partition_id))
+    scorer = _scorer(env, cfg, derive_seed(env.task.seed, "umpfssl-select", rnd, env.partition_id))
     fills, cands = [], []
     for cid, reason in zip((int(i) for i in conf["cand-ids"]), conf["cand-reasons"]):
         model = _load(env, msg.content.array_records[f"cand.{cid}"])
@@ -363,37 +266,6 @@ def client_select(msg: Message, context: Context) -> Message:
                    "refresh-ids": refresh})
 
 
-def _train_distill(model, labeled, unlabeled, targets: torch.Tensor, mu: float, *, env: Env,
-                   seed: int) -> dict[str, float]:
-    """E epochs: a pass of ``mu * CE`` on labeled batches, then ``(1-mu) * KL(yhat||f)``."""
-    t = env.task
-    opt = make_sgd(model.parameters(), t)
-    model.train()
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    epochs = 1 if t.local_steps > 0 else t.local_epochs
-    losses, seen = [], 0
-    for _ in range(epochs):
-        for data, is_lab in ((labeled, True), (unlabeled, False)):
-            n = len(data)
-            if n == 0:
-                continue
-            steps = t.local_steps if t.local_steps > 0 else math.ceil(n / t.batch_size)
-            for idx in batch_indices(n, t.batch_size, steps, gen):
-                xb, yb = to_device_batch(data, idx, env.device)
-                logits = model(env.augmenter.weak(xb))
-                if is_lab:
-                    loss = mu * F.cross_entropy(logits, yb)
-                else:
-                    loss = (1.0 - mu) * kl_to_target(logits, targets[idx.to(targets.device)])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(float(loss.detach()))
-                seen += len(idx)
-    return {"train-loss": float(np.mean(losses)) if losses else 0.0, "samples-seen": float(seen)}
-
-
 def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
     conf = msg.content.config_records[CONFIG_KEY]
     rnd, pid = int(conf["server-round"]), env.partition_id
@@ -405,7 +277,7 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
     else:  # not in the pool yet (e.g. it missed the warm-up): warm up now
         own, extra = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", pid))
     helpers = [_load(env, msg.content.array_records[f"helper.{i}"]) for i in ids]
-    scorer = _Scorer(env, cfg, seed)
+    scorer = _scorer(env, cfg, seed)
     scored = [scorer.score(own, "self")] + [scorer.score(h, ("helper", i)) for h, i in zip(helpers, ids)]
     corr = [s[0] for s in scored]
     # personalized aggregation (self included with its current weights)
@@ -422,7 +294,7 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
         if unl.labels_known:  # a user's unlabeled images have no hidden labels to compare with
             metrics["pseudo-label-accuracy"] = float((targets.argmax(1) == scorer.yu).float().mean())
         metrics["pseudo-label-from-self"] = float((choice == 0).float().mean())
-    out = _train_distill(own, env.labeled(), unl, targets, scorer.mu, env=env, seed=seed)
+    out = train_distill(own, env.labeled(), unl, targets, scorer.mu, env=env, seed=seed)
     _write_helpers(context, ids, versions, corr[1:])
     weights = np.asarray(corr) / np.sum(corr)
     metrics.update({"num-examples": float(len(env.labeled()) + len(unl)), "train-loss": out["train-loss"],
@@ -459,77 +331,6 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
 
 # =============================================================================== server side
-class PersonalizedEvalStrategy(BaseStrategy):
-    """Shared server side of every variant: dir2 partition with per-client test splits, and
-    per-client evaluation (``evaluate`` messages) every ``eval-every`` rounds and at the end.
-
-    The round's ``accuracy`` is the mean of the clients' test accuracies (unweighted, as the
-    paper), ``client-accuracies`` the list by partition id (``client-ids``), ``client-accuracy-var`` the
-    population variance.
-    """
-
-    label_mode = "dir2"
-    with_client_test = True
-
-    def __init__(self, *a, **kw) -> None:
-        self.last_eval: dict[str, Any] = {}    # (set before the base's __init__, which sets a user's model up)
-        self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
-        self.counts: dict[str, int] = {}
-        super().__init__(*a, **kw)
-
-    def eval_payload(self, node: int) -> ArrayRecord | None:
-        """What node needs to rebuild its model for evaluation (override)."""
-        return self.global_arrays()
-
-    def client_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
-        nodes = sorted(grid.get_node_ids())
-        msgs = []
-        for n in nodes:
-            content = self.base_content(server_round, action="evaluate")
-            rec = self.eval_payload(n)
-            if rec is not None:
-                content[ARRAYS_KEY] = rec
-                self.meter.add_record("eval-weights", "down", rec)
-            msgs.append(Message(content, dst_node_id=n, message_type="evaluate", group_id=str(server_round)))
-        accs: dict[int, float] = {}
-        for r in self.exchange(grid, msgs):
-            m = r.content.metric_records[METRICS_KEY]
-            accs[int(m["partition-id"])] = float(m["accuracy"])
-        if not accs:
-            return {}
-        vals = [accs[k] for k in sorted(accs)]
-        return {"accuracy": float(np.mean(vals)), "client-accuracy-mean": float(np.mean(vals)),
-                "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
-                "client-accuracies": vals, "client-ids": sorted(accs)}
-
-    def maybe_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
-        cfg = self.cfg
-        if server_round % cfg.eval_every == 0 or server_round == self.num_rounds:
-            self.last_eval = self.client_eval(grid, server_round)
-            self.round_eval = dict(self.last_eval)
-            return dict(self.last_eval)
-        return {}
-
-    def evaluate_global(self) -> dict[str, Any]:
-        """The per-client evaluation of this round (run in ``run_round``: it needs the grid);
-        nothing for round 0 and for rounds between ``eval-every`` evaluations."""
-        out, self.round_eval = self.round_eval, {}
-        return out
-
-    def count(self, reason: str, n: int = 1) -> None:
-        self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
-
-    def flush_counts(self) -> dict[str, int]:
-        out, self.counts = dict(self.counts), {}
-        return out
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"last_eval": self.last_eval}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.last_eval = state.get("last_eval", {})
-
-
 class UMPFSSLStrategy(PersonalizedEvalStrategy):
     """The versioned model pool and the per-round select/train exchanges (module docstring)."""
 

@@ -30,7 +30,7 @@ from tasks.config import ConfigError, TaskConfig
 from tasks.data import ArrayDataset, DatasetBundle, as_dataset, load_dataset
 from tasks.models import as_staged, build_model
 from tasks.partition import PartitionConfig, PartitionPlan, make_plan
-from tasks.training import derive_seed, resolve_device
+from tasks.training import derive_seed, resolve_device, seeded
 
 
 @dataclass
@@ -72,7 +72,8 @@ class Env:
 
     def build_model(self) -> nn.Module:
         if self.seeded_init:
-            torch.manual_seed(derive_seed(self.task.seed, "init"))  # same init on every node
+            with seeded(derive_seed(self.task.seed, "init")):  # same init on every node
+                return self.model_fn().to(self.device)
         return self.model_fn().to(self.device)
 
     @property

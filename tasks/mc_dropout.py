@@ -1,7 +1,10 @@
-"""MC-dropout prediction: T stochastic passes with dropout on, BatchNorm in eval mode. Plain torch."""
+"""MC-dropout prediction (T stochastic passes with dropout on, BatchNorm in eval mode) and the
+uncertainty scores UM-pFSSL builds on it: the normalised entropy, the relation score Corr and
+the lowest-entropy pseudo-label. Plain torch."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -9,7 +12,7 @@ from torch import Tensor
 
 from tasks.losses import entropy
 
-__all__ = ["mc_dropout_predict"]
+__all__ = ["mc_dropout_predict", "CORR_FLOOR", "normalized_entropy", "relation_score", "select_pseudo_labels"]
 
 
 @torch.no_grad()
@@ -49,3 +52,44 @@ def mc_dropout_predict(
         for m, mode in modes.items():
             m.training = mode
     return mean, entropy(mean)
+
+
+# ----------------------------------------------------------------------------- uncertainty scores
+CORR_FLOOR = 1e-6   # the smallest relation score (weights stay defined when every term is 0)
+
+
+def normalized_entropy(entropies: Tensor, num_classes: int, floor: float = 1e-3) -> float:
+    """``Hbar = mean(H) / log C`` clamped ``>= floor`` (umpfssl.md Eq. 14 with the [R] per-sample mean)."""
+    if entropies.numel() == 0:
+        raise ValueError("normalized_entropy needs at least one entropy value")
+    return max(float(entropies.mean()) / math.log(num_classes), floor)
+
+
+def relation_score(mu: float, entropies_u: Optional[Tensor], probs_l: Optional[Tensor],
+                   labels_l: Optional[Tensor], num_classes: int, floor: float = 1e-3) -> float:
+    """``Corr(k|j) = (1 - mu_k) / Hbar + mu_k * Acc`` (umpfssl.md Eq. 13) with the spec §3 edge cases.
+
+    ``entropies_u``: helper j's MC entropies on D_k^u (None/empty: first term 0);
+    ``probs_l``/``labels_l``: its MC mean on D_k^s and the labels (None/empty: second term 0).
+    Floored at ``CORR_FLOOR`` so that a list of all-zero scores still has weights.
+    """
+    corr = 0.0
+    if entropies_u is not None and entropies_u.numel() > 0:
+        corr += (1.0 - mu) / normalized_entropy(entropies_u, num_classes, floor)
+    if probs_l is not None and probs_l.shape[0] > 0:
+        acc = float((probs_l.argmax(1) == labels_l).float().mean())
+        corr += mu * acc
+    return max(corr, CORR_FLOOR)
+
+
+def select_pseudo_labels(probs: Sequence[Tensor], entropies: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """umpfssl.md Eq. 11: per sample, the MC mean of the model with the lowest MC entropy.
+
+    ``probs[j]`` is ``[N, C]`` and ``entropies[j]`` is ``[N]`` for model j. Returns
+    ``(yhat [N, C], j* [N])``; ties go to the first model.
+    """
+    H = torch.stack(list(entropies))            # [M, N]
+    P = torch.stack(list(probs))                # [M, N, C]
+    choice = H.argmin(dim=0)                    # [N]
+    yhat = P[choice, torch.arange(P.shape[1])]
+    return yhat, choice

@@ -87,8 +87,12 @@ def test_six_algorithms_run_with_the_apps_own_model_and_data(tmp_path):
             assert r["keys"] == r["model-keys"], algo
             assert final["own-accuracy"] == pytest.approx(final["accuracy"], abs=1e-6), (algo, final)
     # learning happened where 2 short rounds suffice (4 classes: chance is 0.25; Semi-SFL evaluates
-    # its EMA teacher, which 6 steps barely move)
-    assert out["scala"]["eval"]["2"]["accuracy"] > 0.6 and out["fedshvr"]["eval"]["2"]["accuracy"] > 0.4
+    # its EMA teacher, which 6 steps barely move). The example's model is not seeded (a user's
+    # app), so Fed-SHVR's accuracy after 6 steps is a draw (0.23-0.53 seen): its supervised loss
+    # on the nodes' labels must fall instead (2.40 -> 1.70 seen)
+    assert out["scala"]["eval"]["2"]["accuracy"] > 0.6, out["scala"]["eval"]
+    sup = [out["fedshvr"]["train"][r]["sup-loss"] for r in ("1", "2")]
+    assert sup[1] < 0.9 * sup[0], sup
 
 
 @pytest.mark.e2e

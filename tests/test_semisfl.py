@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.semisfl import (HIDDEN_LABELS, STUDENT, TEACHER, KsController, SemiSFLConfig, SemiSFLServer,
-                                milestone_period)
+from strategies.semisfl import SemiSFLConfig, semisfl_server
+from tasks.semisfl_server import HIDDEN_LABELS, STUDENT, TEACHER, KsController, milestone_period
 from tasks.config import ConfigError, parse_dataclass
 from tasks.data import ArrayDataset
 from tasks.models import build_model
@@ -34,8 +34,8 @@ def make_server(**over):
     labeled = ArrayDataset(rng.integers(0, 256, (6, 1, 4, 4), dtype=np.uint8), np.array([0, 1, 2, 0, 1, 2]))
     cfg = dataclasses.replace(SemiSFLConfig(), proj_dim=4, proj_hidden=5, queue_labeled=8, queue_unlabeled=16,
                               tau=0.6, kappa=0.5, **over)
-    return SemiSFLServer(model, cfg, cut="fc1", labeled=labeled, augmenter=IdentityAug(), device=torch.device("cpu"),
-                         lr=0.1, momentum=0.0, weight_decay=0.0, seed=0, num_rounds=10)
+    return semisfl_server(model, cfg, cut="fc1", labeled=labeled, augmenter=IdentityAug(), device=torch.device("cpu"),
+                          lr=0.1, momentum=0.0, weight_decay=0.0, seed=0, num_rounds=10)
 
 
 # ----------------------------------------------------------------------------- direct formulas

@@ -15,18 +15,10 @@ from flower_apps.client_app import dispatch
 from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.registry import get_algorithm
-from strategies.umpfssl import (
-    CORR_FLOOR,
-    UMPFSSLConfig,
-    cost2,
-    normalized_entropy,
-    refresh_ids,
-    relation_score,
-    replace_helpers,
-    select_pseudo_labels,
-)
+from strategies.umpfssl import UMPFSSLConfig
 from tasks.config import ConfigError, TaskConfig
-from tasks.mc_dropout import mc_dropout_predict
+from tasks.helper_selection import cost2, refresh_ids, replace_helpers
+from tasks.mc_dropout import CORR_FLOOR, mc_dropout_predict, normalized_entropy, relation_score, select_pseudo_labels
 
 LOG10 = math.log(10)
 

@@ -1,0 +1,93 @@
+"""The server side of personalised evaluation: each node's model on that node's own test split.
+
+UM-pFSSL (:mod:`strategies.umpfssl`) and its FixMatch baselines
+(:mod:`strategies.fixmatch_baselines`, :mod:`strategies.fixprox`) evaluate this way: the run's
+``accuracy`` is the mean over clients and ``client-accuracy-var`` their variance (the paper's
+fairness measure).
+
+Client contract: an ``evaluate`` message carries what the node needs to rebuild its model
+(:meth:`PersonalizedEvalStrategy.eval_payload`; ``arrays``, or nothing) and the reply's
+``metrics`` carry ``accuracy``, ``num-examples`` and ``partition-id``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Message
+from flwr.serverapp import Grid
+
+from split_layer.records import ARRAYS_KEY, METRICS_KEY
+
+from .base import BaseStrategy
+
+
+class PersonalizedEvalStrategy(BaseStrategy):
+    """Shared server side of every variant: dir2 partition with per-client test splits, and
+    per-client evaluation (``evaluate`` messages) every ``eval-every`` rounds and at the end.
+
+    The round's ``accuracy`` is the mean of the clients' test accuracies (unweighted, as the
+    paper), ``client-accuracies`` the list by partition id (``client-ids``), ``client-accuracy-var`` the
+    population variance.
+    """
+
+    label_mode = "dir2"
+    with_client_test = True
+
+    def __init__(self, *a, **kw) -> None:
+        self.last_eval: dict[str, Any] = {}    # (set before the base's __init__, which sets a user's model up)
+        self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
+        self.counts: dict[str, int] = {}
+        super().__init__(*a, **kw)
+
+    def eval_payload(self, node: int) -> ArrayRecord | None:
+        """What node needs to rebuild its model for evaluation (override)."""
+        return self.global_arrays()
+
+    def client_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        nodes = sorted(grid.get_node_ids())
+        msgs = []
+        for n in nodes:
+            content = self.base_content(server_round, action="evaluate")
+            rec = self.eval_payload(n)
+            if rec is not None:
+                content[ARRAYS_KEY] = rec
+                self.meter.add_record("eval-weights", "down", rec)
+            msgs.append(Message(content, dst_node_id=n, message_type="evaluate", group_id=str(server_round)))
+        accs: dict[int, float] = {}
+        for r in self.exchange(grid, msgs):
+            m = r.content.metric_records[METRICS_KEY]
+            accs[int(m["partition-id"])] = float(m["accuracy"])
+        if not accs:
+            return {}
+        vals = [accs[k] for k in sorted(accs)]
+        return {"accuracy": float(np.mean(vals)), "client-accuracy-mean": float(np.mean(vals)),
+                "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
+                "client-accuracies": vals, "client-ids": sorted(accs)}
+
+    def maybe_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
+        cfg = self.cfg
+        if server_round % cfg.eval_every == 0 or server_round == self.num_rounds:
+            self.last_eval = self.client_eval(grid, server_round)
+            self.round_eval = dict(self.last_eval)
+            return dict(self.last_eval)
+        return {}
+
+    def evaluate_global(self) -> dict[str, Any]:
+        """The per-client evaluation of this round (run in ``run_round``: it needs the grid);
+        nothing for round 0 and for rounds between ``eval-every`` evaluations."""
+        out, self.round_eval = self.round_eval, {}
+        return out
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
+
+    def flush_counts(self) -> dict[str, int]:
+        out, self.counts = dict(self.counts), {}
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"last_eval": self.last_eval}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.last_eval = state.get("last_eval", {})
