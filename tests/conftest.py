@@ -50,3 +50,35 @@ def refusals():
         yield got
     finally:
         logging.getLogger("flwr").removeHandler(h)
+
+
+# ----------------------------------------------------------------------------- side by side
+# The README's test command runs the suite on pytest-xdist workers (pyproject addopts:
+# ``-n 3 --dist loadgroup``). Much of an end-to-end test's time is waiting on Flower's polls
+# (SuperNodes, ServerApp and SuperExec poll every 1-3 s), so the unit tests run while it waits.
+# Tests that start Flower run one at a time within their group: "ray" for everything that starts
+# Ray (the simulation engine, `flwr run` on a local simulation federation), "deploy" for the real
+# SuperLink/SuperNode deployments (module-scoped, no Ray). Two Ray instances never run at once.
+DEPLOY_FIXTURES = frozenset({"dep", "deployment"})
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several workers share the cores: one intra-op thread each (tiny models; Ray and
+    # Flower's subprocesses inherit it, as tests/deploy_harness.py already asks)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def flower_group(item: pytest.Item) -> str | None:
+    """The xdist group of a test that starts Flower (None for a test that does not)."""
+    names = set(getattr(item, "fixturenames", ()))
+    if names & DEPLOY_FIXTURES:
+        return "deploy"
+    if "sim_env" in names or item.get_closest_marker("e2e") is not None:
+        return "ray"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = flower_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -56,7 +56,7 @@ def test_the_algorithms_that_compute_label_metrics_declare_them():
 # every reply and the round's metrics (tests/test_conformance.py::test_conformance_all_nodes_result).
 
 
-@pytest.mark.parametrize("algo", ["ssfl", "fedshvr"])
+@pytest.mark.parametrize("algo", ["ssfl", "fedshvr", "umpfssl"])
 def test_without_consent_the_same_algorithms_send_none(algo, monkeypatch):
     monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
     rows, keys = one_round(algo)
