@@ -159,6 +159,28 @@ class SplitRuntime:
             return "labels"
         return "activations" if direction == "up" else "gradients"
 
+    def exchange_payloads(self, transport: Transport, server_round: int, op: str,
+                          out: dict[int, Envelope]) -> dict[int, Envelope]:
+        """``transport.exchange`` with the split round's one byte count: every payload that
+        crosses, by kind and direction, on either transport (messages or the stream), whether
+        or not the server keeps it afterwards (a reply that fails validation was still sent)."""
+        for env in out.values():
+            self.count_payload(op, env, "down")
+        replies = transport.exchange(server_round, op, out)
+        for env in replies.values():
+            self.count_payload(op, env, "up")
+        return replies
+
+    def count_payload(self, op: str, env: Envelope, direction: str) -> None:
+        """Bytes of one envelope: its state dicts (``bottom``: ``weights``, other parts: their
+        :meth:`extra_kind`) and its tensors (:meth:`stream_kind`; ``split-info``'s label
+        histogram: ``histogram``)."""
+        for name, sd in env.arrays.items():
+            self.meter.add("weights" if name == "bottom" else self.extra_kind(name), direction, array_bytes(sd))
+        for name, t in env.tensors.items():
+            kind = "histogram" if op == "split-info" else self.stream_kind(name, direction)
+            self.meter.add(kind, direction, array_bytes(t))
+
     def stream_specs(self, node: int) -> dict[str, TensorSpec]:
         b = int(self.round_batch[node])
         return {"act": TensorSpec((b, *self.act_shape), "float32"),
@@ -209,13 +231,12 @@ class SplitRuntime:
         if not todo:
             return
         asked.update({n: server_round for n in todo})
-        replies = transport.exchange(server_round, "split-info", {n: Envelope() for n in todo})
+        replies = self.exchange_payloads(transport, server_round, "split-info", {n: Envelope() for n in todo})
         for n, env in replies.items():
             hist = np.asarray(env.tensors.get("histogram", np.zeros(0)), dtype=np.int64)
             if hist.shape != (self.env.num_classes,) or (hist < 0).any():
                 self.drop(n, f"bad label histogram of shape {hist.shape}")
                 continue
-            self.meter.add("histogram", "up", array_bytes(hist))
             self.directory.note(n, env.config["partition-id"], env.config.get("num-partitions", 0),
                                 n=int(env.config["num-examples"]), hist=hist,
                                 **{"sim-actors": int(env.config.get("sim-actors", 0)),
@@ -303,11 +324,6 @@ class SplitRuntime:
             if got is None:
                 return self._skip(server_round, out, usable, snap)
             finals.update(got)
-        for n, env in finals.items():
-            self.meter.add("weights", "up", array_bytes(env.arrays["bottom"]))
-            for name, sd in env.arrays.items():
-                if name != "bottom":
-                    self.meter.add(self.extra_kind(name), "up", array_bytes(sd))
         out["participants"] = len(finals)
         ex = [float(f.metrics.get("num-examples", 0.0)) for f in finals.values()]
         out["num-examples"] = float(sum(ex))
@@ -331,12 +347,9 @@ class SplitRuntime:
             extras = self.begin_extras(n)
             msgs[n] = Envelope(arrays={"bottom": bottom, **extras},
                                config={"split-step": 1, "split-iters": iters, **self.begin_config(n)})
-            self.meter.add("weights", "down", array_bytes(bottom))
-            for name, sd in extras.items():
-                self.meter.add(self.extra_kind(name), "down", array_bytes(sd))
         for step in range(1, iters + 2):
             t0 = time.perf_counter()
-            replies = transport.exchange(server_round, "split", msgs)
+            replies = self.exchange_payloads(transport, server_round, "split", msgs)
             out["split-exchanges"] = out.get("split-exchanges", 0) + 1
             dt = time.perf_counter() - t0
             out["split-exchange-seconds"] = out.get("split-exchange-seconds", 0.0) + dt
@@ -375,14 +388,10 @@ class SplitRuntime:
             dev = self.env.device  # the server part's device: the one place payloads are moved there
             for n in alive:
                 payloads[n] = {k: torch.from_numpy(np.array(v)).to(dev) for k, v in good[n].tensors.items()}
-                for k, v in good[n].tensors.items():
-                    self.meter.add(self.stream_kind(k, "up"), "up", array_bytes(v))
             grads = self.server_iteration(step, payloads)
             msgs = {}
             for n in alive:
                 g = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in grads[n].items()}
-                for k, v in g.items():
-                    self.meter.add(self.stream_kind(k, "down"), "down", array_bytes(v))
                 msgs[n] = Envelope(tensors=g, config={"split-step": step + 1, "split-iters": iters})
         return {}, []  # not reached: the loop returns at step I + 1
 

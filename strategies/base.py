@@ -290,6 +290,7 @@ class BaseStrategy(Strategy):
         by_id = {}
         for mid, m in zip(grid.push_messages(messages), messages):
             by_id[mid] = m.metadata.dst_node_id
+            self.count_bytes(m, "down")
         pending, out = set(by_id), []
         deadline = time.time() + timeout
         while pending and time.time() < deadline:
@@ -301,12 +302,28 @@ class BaseStrategy(Strategy):
                 if r.has_error():
                     self.drop(by_id[rid], f"error {r.error.code}: {describe_error(r.error.reason or '')}")
                 else:
+                    self.count_bytes(r, "up")
                     out.append(r)
             if pending:
                 time.sleep(poll)
         for rid in pending:
             self.drop(by_id[rid], f"no reply within {timeout:.0f} s")
         return out
+
+    def count_bytes(self, msg: Message, direction: str) -> None:
+        """The one place a message's model weights are counted (by :meth:`exchange`, as the
+        message leaves or its reply arrives), by :meth:`record_kind` and direction. A split
+        round's payloads are counted where they cross too, by the split runtime
+        (:meth:`split_layer.runtime.SplitRuntime.exchange_payloads`)."""
+        for key, rec in msg.content.array_records.items():
+            kind = self.record_kind(key, msg, direction)
+            if kind is not None:
+                self.meter.add_record(kind, direction, rec)
+
+    def record_kind(self, key: str, msg: Message, direction: str) -> str | None:
+        """The byte kind of array record ``key`` of ``msg`` (``None``: not counted here). Default:
+        the model weights (``ARRAYS_KEY``) are ``weights``; override for other kinds."""
+        return "weights" if key == ARRAYS_KEY else None
 
     def drop(self, node: int, why: str) -> None:
         """Drop ``node`` from this round: a logged warning, and the round's ``dropped`` metric."""
@@ -324,7 +341,6 @@ class BaseStrategy(Strategy):
         for n in nodes:
             content = self.base_content(server_round, **dict(config))
             content[ARRAYS_KEY] = arrays
-            self.meter.add_record("weights", "down", arrays)
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
         return msgs
 
@@ -342,7 +358,6 @@ class BaseStrategy(Strategy):
         values: dict[str, list[float]] = {k: [] for k in self.reply_metrics}
         for r in replies:
             rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
             met = r.content.metric_records[METRICS_KEY]
             states.append(record_to_numpy(rec))
             weights.append(float(met["num-examples"]))

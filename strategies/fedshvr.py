@@ -337,7 +337,6 @@ class FedSHVRStrategy(BaseStrategy):
         uploads, omegas, taus, pids, mets = [], [], [], [], []
         for r in replies:
             rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
             met = r.content.metric_records[METRICS_KEY]
             uploads.append(record_to_numpy(rec))
             omegas.append(float(met["num-examples"]) if self.cfg.weighting == "size" else 1.0)

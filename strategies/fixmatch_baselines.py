@@ -153,7 +153,6 @@ class LocalOnlyStrategy(PersonalizedEvalStrategy):
             content = self.base_content(server_round)
             if self.initial_given and n not in self.seeded:
                 content[ARRAYS_KEY] = model_to_record(self.model)
-                self.meter.add_record("weights", "down", content[ARRAYS_KEY])
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
         self.seeded.update(nodes)
         replies = self.exchange(grid, msgs)

@@ -44,6 +44,11 @@ class PersonalizedEvalStrategy(BaseStrategy):
         """What node needs to rebuild its model for evaluation (override)."""
         return self.global_arrays()
 
+    def record_kind(self, key: str, msg: Message, direction: str) -> str | None:
+        if key == ARRAYS_KEY and direction == "down" and msg.metadata.message_type == "evaluate":
+            return "eval-weights"   # the model a node rebuilds for its personalised evaluation
+        return super().record_kind(key, msg, direction)
+
     def client_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
         nodes = sorted(grid.get_node_ids())
         msgs = []
@@ -52,7 +57,6 @@ class PersonalizedEvalStrategy(BaseStrategy):
             rec = self.eval_payload(n)
             if rec is not None:
                 content[ARRAYS_KEY] = rec
-                self.meter.add_record("eval-weights", "down", rec)
             msgs.append(Message(content, dst_node_id=n, message_type="evaluate", group_id=str(server_round)))
         accs: dict[int, float] = {}
         for r in self.exchange(grid, msgs):

@@ -345,7 +345,6 @@ class SSFLStrategy(BaseStrategy):
             rec = numpy_to_record(self.group_params[g])
             content = self.base_content(server_round, **sched)
             content[ARRAYS_KEY] = rec
-            self.meter.add_record("weights", "down", rec)
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
             sent[n] = g
         replies = self.exchange(grid, msgs)
@@ -353,7 +352,6 @@ class SSFLStrategy(BaseStrategy):
         mets: list[dict[str, float]] = []
         for r in replies:
             rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
             users[r.metadata.src_node_id] = record_to_numpy(rec)
             mets.append({k: (list(v) if isinstance(v, list) else float(v))
                          for k, v in r.content.metric_records[METRICS_KEY].items()})

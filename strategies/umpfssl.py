@@ -335,11 +335,27 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
     """The versioned model pool and the per-round select/train exchanges (module docstring)."""
 
     personalized = True  # Result.arrays: one model per client, keys '<partition-id>/<name>'
+    #: node -> the helper ids it is sent afresh in the round's training messages (record_kind)
+    _refreshed: dict[int, set[int]] = {}
 
     def result_arrays(self) -> ArrayRecord:
         if not self.pool:
             return model_to_record(self.model)
         return numpy_to_record({f"{pid}/{k}": v for pid in sorted(self.pool) for k, v in self.pool[pid][1].items()})
+
+    def record_kind(self, key: str, msg: Message, direction: str) -> str | None:
+        """UM-pFSSL's kinds: a node's own model (``own-weights``), candidates (``cand.<i>``) and
+        refreshed helpers (``helper-weights``), helpers the node holds already (``helper-cache``:
+        sent here for the simulation's sake, kept by a real client), and ``weights`` otherwise."""
+        if direction == "down" and msg.metadata.message_type == "train":
+            if key == ARRAYS_KEY:
+                return "own-weights"
+            if key.startswith("helper."):
+                fresh = int(key.split(".", 1)[1]) in self._refreshed.get(msg.metadata.dst_node_id, ())
+                return "helper-weights" if fresh else "helper-cache"
+        if key.startswith("cand."):
+            return "helper-weights"
+        return super().record_kind(key, msg, direction)
 
     def setup_algorithm(self) -> None:
         if not has_dropout(self.model):
@@ -384,7 +400,6 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             c = self.base_content(server_round, action=op)
             if init:  # the run's initial_arrays: every warm-up starts from them
                 c[ARRAYS_KEY] = model_to_record(self.model)
-                self.meter.add_record("weights", "down", c[ARRAYS_KEY])
             msgs.append(query(c, n, op, str(server_round)))
         return self.exchange(grid, msgs)
 
@@ -395,7 +410,6 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             m = r.content.metric_records[METRICS_KEY]
             pid = int(m["partition-id"])
             rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
             self.count("warmup-upload")
             self.note_partition(r.metadata.src_node_id, pid)
             self.upload(pid, 0, record_to_numpy(rec))
@@ -437,7 +451,6 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             for i, reason in [(i, "fill") for i in fill] + [(i, "replace") for i in repl]:
                 rec = numpy_to_record(self.pool[i][1])
                 content[f"cand.{i}"] = rec
-                self.meter.add_record("helper-weights", "down", rec)
                 self.count(reason)
             select_msgs.append(query(content, n, "select", str(t)))
         selected = set()
@@ -458,16 +471,13 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             if pid in self.pool:  # else the client warms up first (it missed the warm-up)
                 own = numpy_to_record(self.pool[pid][1])
                 content[ARRAYS_KEY] = own
-                self.meter.add_record("own-weights", "down", own)
             for i, v in lists[n]:
                 rec = numpy_to_record(self.fetch(i, v))
                 content[f"helper.{i}"] = rec
                 if i in refreshed[n]:
-                    self.meter.add_record("helper-weights", "down", rec)
                     self.count("refresh")
-                else:
-                    self.meter.add_record("helper-cache", "down", rec)
             train_msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(t)))
+        self._refreshed = refreshed   # (record_kind: a helper sent again is a refresh, else the cache)
         replies = self.exchange(grid, train_msgs)
         uploads, mets = [], []
         for r in replies:
@@ -476,7 +486,6 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             pid = int(m["partition-id"])
             self.refs[pid] = list(zip((int(i) for i in c["helper-ids"]), (int(v) for v in c["helper-versions"])))
             rec = r.content.array_records[ARRAYS_KEY]
-            self.meter.add_record("weights", "up", rec)
             self.count("upload")
             uploads.append((pid, record_to_numpy(rec)))
             mets.append(m)

@@ -179,11 +179,13 @@ def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
 class _Msg:
     def __init__(self, dst: int) -> None:
         self.metadata = SimpleNamespace(dst_node_id=dst)
+        self.content = SimpleNamespace(array_records={})   # (no weights: nothing to count)
 
 
 class _Reply:
     def __init__(self, rid: str, code: int | None = None) -> None:
         self.metadata = SimpleNamespace(reply_to_message_id=rid)
+        self.content = SimpleNamespace(array_records={})
         self.error = SimpleNamespace(code=code, reason="Error: Node Unavailable")
         self._code = code
 

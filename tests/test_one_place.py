@@ -194,3 +194,35 @@ def test_one_algorithm_lookup_for_every_clientapp():
     with pytest.raises(ValueError, match=r"this ClientApp serves algo .*; the message asks for algo='scala'"):
         algorithm_for(_msg("scala"), {n: client for n in client.specs})
 
+
+
+@pytest.mark.parametrize("algo", __import__("strategies.registry", fromlist=["x"]).algorithm_names())
+def test_the_bytes_counted_are_the_bytes_on_the_wire(algo):
+    """Bytes are counted once, where messages cross (``BaseStrategy.exchange`` for model
+    weights, ``SplitRuntime.exchange_payloads`` for split payloads): for every registered
+    algorithm, the rounds' ``bytes.<kind>.<direction>`` add up to the array bytes of every
+    message the server pushed and every good reply it pulled."""
+    from tests.test_conformance import build
+
+    wire = {"down": 0, "up": 0}
+    s, grid = build(algo)
+    push, pull = grid.push_messages, grid.pull_messages
+
+    def push_spy(messages):
+        messages = list(messages)
+        wire["down"] += sum(array_bytes(m.content.array_records) for m in messages)
+        return push(messages)
+
+    def pull_spy(message_ids):
+        replies = list(pull(message_ids))
+        wire["up"] += sum(array_bytes(r.content.array_records) for r in replies if not r.has_error())
+        return replies
+
+    grid.push_messages, grid.pull_messages = push_spy, pull_spy
+    rows: list[dict] = []
+    s.start(grid, num_rounds=2, on_round_end=lambda r, m: rows.append(dict(m)))
+    counted = {d: sum(v for r in rows for k, v in r.items() if k.startswith("bytes.") and k.endswith("." + d))
+               for d in ("down", "up")}
+    assert counted == wire, (counted, wire)
+    if algo not in ("local-only", "supervised-only"):   # (the two baselines that send no model)
+        assert wire["down"] > 0 and wire["up"] > 0, wire

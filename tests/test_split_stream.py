@@ -245,6 +245,8 @@ def test_other_ops_go_through_flower_messages():
 
     class S(Owner):
         exchange = BaseStrategy.exchange
+        count_bytes = BaseStrategy.count_bytes
+        record_kind = BaseStrategy.record_kind
         policy = RoundPolicy(round_timeout=5)
 
         def __init__(self):
