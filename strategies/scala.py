@@ -61,11 +61,11 @@ import torch.nn.functional as F
 from split_layer.cut import load_top_state, top_state_keys
 from .base import SplitStrategy
 from split_layer.transport import Envelope
-from split_layer.worker import SplitClientHooks, make_split_handlers, seeded
+from split_layer.worker import SplitClientHooks, make_split_handlers
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, knob
 from tasks.losses import logit_adjusted_ce
-from tasks.training import derive_seed, make_sgd
+from tasks.training import derive_seed, make_sgd, seeded
 
 from .client import AlgorithmClient
 from .registry import AlgorithmSpec, bind
