@@ -155,7 +155,11 @@ PAPERS: dict[str, Paper] = {
               Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL: concatenation, plain CE"),
               Row("lla-sfl", {"algo": "lla-sfl"}),
               Row("splitfed-v1", {"algo": "splitfed-v1"}),
-              Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round")),
+              Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round"),
+              Row("fedprox", {"algo": "fedprox", "local-steps": 10, "batch-size": 32},
+                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, mu = 0.01"),
+              Row("fedlc", {"algo": "fedlc", "local-steps": 10, "batch-size": 32},
+                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, tau = 1.0")),
         supernodes=20,
         expected="SCALA > CA-SFL (= Minibatch-SFL) > SplitFedV2 ~ SplitFedV1 (Table III, CIFAR-10 alpha = 2: "
                  "82.70 > 74.47 > 62.24 ~ 60.97), LLA-SFL > SplitFedV1 (Table II); SCALA smallest per-class spread",

@@ -16,8 +16,9 @@ server trains on its N_s labeled samples (``server-labels``) alone, ``local-step
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
@@ -30,6 +31,8 @@ from split_layer.records import (
     record_to_numpy,
 )
 from .base import BaseStrategy
+from tasks.data import ArrayDataset
+from tasks.env import Env
 from tasks.training import (
     derive_seed,
     load_numpy_state,
@@ -48,8 +51,15 @@ class FedAvgStrategy(BaseStrategy):
     label_mode = "all"
 
 
-def client_train(msg: Message, context: Context) -> Message:
-    """Local supervised SGD from the received global weights (see module docstring)."""
+def client_train(msg: Message, context: Context,
+                 regularizer: Callable[[torch.nn.Module], Any] | None = None,
+                 loss_fn: Callable[[Env, ArrayDataset], Callable] | None = None) -> Message:
+    """Local supervised SGD from the received global weights (see module docstring).
+
+    The hooks of the algorithms that change only the client's objective (FedProx, FedLC:
+    :mod:`strategies.fedprox`): ``regularizer(model)`` returns a term added to every step's
+    loss, made once the received weights are loaded; ``loss_fn(env, data)`` returns the loss
+    ``(logits, y) -> loss`` that replaces the cross-entropy."""
     env = client_env(msg, context, label_mode="all")
     rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
     model = env.build_model()
@@ -59,7 +69,9 @@ def client_train(msg: Message, context: Context) -> Message:
     metrics = train_supervised(
         model, data, aug=env.augmenter, steps=num_local_steps(task, len(data)),
         batch_size=task.batch_size, optimizer=make_sgd(model.parameters(), task), device=env.device,
-        seed=derive_seed(task.seed, "fedavg", rnd, env.partition_id))
+        seed=derive_seed(task.seed, "fedavg", rnd, env.partition_id),
+        regularizer=regularizer(model) if regularizer is not None else None,
+        loss_fn=loss_fn(env, data) if loss_fn is not None else None)
     return Message(RecordDict({ARRAYS_KEY: model_to_record(model), METRICS_KEY: MetricRecord(metrics)}),
                    reply_to=msg)
 

@@ -57,6 +57,18 @@ def proximal_term(model: torch.nn.Module, mu: float):
     return term
 
 
+def calibrated_ce(logits: Tensor, y: Tensor, counts: Tensor, tau: float = 1.0) -> Tensor:
+    """FedLC's calibrated cross-entropy (Zhang et al., ICML 2022, Eq. 8): the softmax
+    cross-entropy of ``f_c(x) - tau * n_c^(-1/4)``, ``n_c`` being this client's count of class
+    ``c`` (``counts``, clamped at 1e-8 so that a class the client lacks gets an offset of
+    ``-100 tau`` and drops out). The paper's denominator leaves ``y`` out; like FL-bench (which
+    found that variant collapse) the denominator here includes it, a standard softmax over the
+    calibrated logits (``../shared/specs/baselines.md`` B2 [R]). Rare classes are pushed down
+    more during training, which enforces a larger margin for them; inference uses raw logits."""
+    offset = float(tau) * counts.to(logits.device, logits.dtype).clamp_min(1e-8).pow(-0.25)
+    return F.cross_entropy(logits - offset, y)
+
+
 def _reduce(values: Tensor, reduction: str) -> Tensor:
     if reduction == "mean":
         return values.mean()

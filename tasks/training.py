@@ -160,14 +160,18 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
                      batch_size: int, optimizer: torch.optim.Optimizer, device: torch.device,
                      seed: int, view: str = "weak",
                      lr_fn: Callable[[int], float] | None = None,
-                     regularizer: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
+                     regularizer: Callable[[], torch.Tensor] | None = None,
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                     ) -> dict[str, float]:
     """``steps`` SGD steps of cross-entropy on ``data`` (weak view by default), plus
     ``regularizer()`` if given (e.g. FedProx's :func:`tasks.losses.proximal_term`).
 
-    ``lr_fn(i)``, if given, sets the learning rate of every param group before local step
-    ``i`` (0-based), e.g. a cosine schedule over global iterations. ``train-loss`` is the
-    cross-entropy alone.
+    ``loss_fn(logits, y)``, if given, replaces the cross-entropy (e.g. FedLC's
+    :func:`tasks.losses.calibrated_ce`). ``lr_fn(i)``, if given, sets the learning rate of every
+    param group before local step ``i`` (0-based), e.g. a cosine schedule over global
+    iterations. ``train-loss`` is that loss alone (without the regularizer).
     """
+    loss_fn = F.cross_entropy if loss_fn is None else loss_fn
     model.train()
     gen = torch.Generator().manual_seed(seed)
     transform = getattr(aug, view)
@@ -177,7 +181,7 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
             if lr_fn is not None:
                 set_lr(optimizer, lr_fn(i))
             xb, yb = to_device_batch(data, idx, device)
-            loss = F.cross_entropy(model(transform(xb)), yb)
+            loss = loss_fn(model(transform(xb)), yb)
             optimizer.zero_grad(set_to_none=True)
             (loss + regularizer() if regularizer is not None else loss).backward()
             optimizer.step()
