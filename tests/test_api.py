@@ -24,11 +24,12 @@ from tasks.env import NodeData, library_env
 from tests.test_conformance import NODES, config, state_of
 
 MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scala", "fedshvr": "FedSHVR",
-        "umpfssl": "UMPFSSL"}
+        "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedLC"}
+MODULE = {"fedlc": "fedprox"}   # (an algorithm whose module is named after another)
 
 
 def _client_cls(algo: str) -> type[AlgorithmClient]:
-    module = importlib.import_module(f"strategies.{algo}")
+    module = importlib.import_module(f"strategies.{MODULE.get(algo, algo)}")
     return getattr(module, f"{MAIN[algo]}Client")
 
 
