@@ -96,6 +96,10 @@ class BaseStrategy(Strategy):
 
     label_mode: str = "all"      # how the partition plan labels data (tasks.partition.LABEL_MODES)
     uses_clients: bool = True    # False for server-only baselines (supervised-only)
+    #: the server trains on its own labels before a round's first message (Semi-SFL's stage A,
+    #: SemiFL's and FedSwitch's server stage), so the first weights a node receives are not
+    #: ``initial_arrays`` themselves (the round-0 evaluation still is)
+    server_trains_first: bool = False
     with_client_test: bool = False
     staged: bool = False         # split algorithms: models are StagedModels (tasks.models.as_staged)
     #: registry name -> spec of every algorithm this class runs, its own first (set by
@@ -207,11 +211,8 @@ class BaseStrategy(Strategy):
         once per node (``node-info``) when not all nodes are sampled. Nodes that do not answer
         it (e.g. a ClientApp without that handler) come last, in node-id order.
         """
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) < self.policy.min_nodes:
-            nodes = self.wait_for_nodes(grid)
-        k = max(self.policy.min_nodes, int(round(self.policy.fraction_train * len(nodes))))
-        k = min(k, len(nodes))
+        nodes = self.connected_nodes(grid)
+        k = self.sample_size(len(nodes))
         if k == len(nodes):
             return nodes
         self.learn_partitions(grid, nodes, server_round=server_round)
@@ -219,6 +220,16 @@ class BaseStrategy(Strategy):
         ordered = sorted(nodes, key=lambda n: (part.get(n, 1 << 62), n))
         rng = random.Random(derive_seed(self.task.seed, "sample", server_round))
         return sorted(rng.sample(ordered, k))
+
+    def connected_nodes(self, grid: Grid) -> list[int]:
+        """The connected nodes, sorted; fewer than ``min-nodes``: wait for them (``wait-for-nodes``)."""
+        nodes = sorted(grid.get_node_ids())
+        return nodes if len(nodes) >= self.policy.min_nodes else self.wait_for_nodes(grid)
+
+    def sample_size(self, num_nodes: int) -> int:
+        """How many of ``num_nodes`` nodes a round samples: ``fraction-train`` of them, at least
+        ``min-nodes``, at most all."""
+        return min(max(self.policy.min_nodes, int(round(self.policy.fraction_train * num_nodes))), num_nodes)
 
     def learn_partitions(self, grid: Grid, nodes: list[int], poll: float = 0.01, server_round: int = 0) -> list[int]:
         """How the server learns which partition a node holds: nodes not asked before get one

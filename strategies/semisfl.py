@@ -195,6 +195,7 @@ class SemiSFLStrategy(SplitStrategy):
     """
 
     label_mode = "server"
+    server_trains_first = True   # stage A (K_s steps on the labels) opens every round
 
     def setup_split(self) -> None:
         if len(self.env.server_labeled()) == 0:
