@@ -12,6 +12,8 @@ unchanged; ``mu`` reaches the client in the ``algo`` record every message carrie
 
 Client contract: FixAvg's (``train``: ``arrays`` in, ``arrays`` and ``num-examples`` out;
 ``evaluate`` on the node's test split), with the proximal term added to every local step.
+The same ``client_train`` serves ``fedprox-sl`` (:mod:`strategies.supervised_refs`), whose mode
+trains with plain CE on fully labeled data instead of FixMatch.
 """
 from __future__ import annotations
 

@@ -136,7 +136,8 @@ from .registry import AlgorithmSpec, bind
 
 NS = "umpfssl"
 QUERY_ACTIONS = ("warmup", "select")   # this algorithm's own queries (strategies.registry)
-MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local")
+MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local",
+         "fixbn", "lg", "pfedme", "fedavg-sl", "fedprox-sl", "fedbn-sl")   # (the last six: Table 1's other rows)
 STATE_HELPERS = "umpfssl.helpers"   # ConfigRecord: ids, versions, corr (non-self members)
 STATE_HEAD = "umpfssl.head"         # ArrayRecord: FedPer's local head
 STATE_MODEL = "umpfssl.model"       # ArrayRecord: local-only's model
@@ -158,7 +159,12 @@ class UMPFSSLConfig:
     fixmatch_tau: float = knob(0.95, lo=0.0, hi=1.0, help="FixMatch confidence threshold (baselines)")
     fixmatch_lambda_u: float = knob(1.0, lo=0.0, help="FixMatch unlabeled-loss weight (baselines)")
     fixmatch_uratio: int = knob(1, lo=1, help="FixMatch unlabeled batch = uratio x batch-size (baselines)")
-    prox_mu: float = knob(0.01, lo=0.0, help="FedProx proximal weight (fixprox)")
+    prox_mu: float = knob(0.01, lo=0.0, help="FedProx proximal weight (fixprox, fedprox-sl)")
+    pfedme_lambda: float = knob(15.0, lo=0.0, help="pFedMe: Moreau-envelope weight lambda (pfedme-fix)")
+    pfedme_inner_steps: int = knob(5, lo=1, help="pFedMe: K gradient steps approximating theta_k per local step")
+    pfedme_personal_lr: float = knob(0.01, lo=0.0, lo_open=True, help="pFedMe: step size of the K inner steps")
+    pfedme_beta: float = knob(1.0, lo=0.0, hi=2.0, lo_open=True,
+                              help="pFedMe: server w <- (1 - beta) w + beta * weighted mean")
 
     def validate(self) -> None:
         if self.replace > self.helpers - 1:
