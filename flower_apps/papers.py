@@ -3,7 +3,7 @@
     python -m flower_apps.papers semisfl                  # all rows, seeds 0 1 2
     python -m flower_apps.papers fedshvr --seeds 0 1 2 3 4
     python -m flower_apps.papers scala --rows scala splitfed-v2 --engine simulation
-    python -m flower_apps.papers --list                   # papers, rows and their settings
+    python -m flower_apps.papers scala --list             # its tables, each method's rows, settings
 
 Each paper's comparison (:data:`PAPERS`) is a set of rows (an ``algo`` and its keys) on a
 shared base config at the paper's own hyperparameters (optimizer, learning rate, schedule,
@@ -43,6 +43,12 @@ class Row:
     overrides: dict[str, Any]
     note: str = ""
     probe: bool = False    # not a row of the paper's table: a probe that isolates a cause (ours)
+    #: the method(s) of the paper's tables this row reruns ("" = the row's name)
+    label: str | tuple[str, ...] = ""
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return (self.label,) if isinstance(self.label, str) and self.label else tuple(self.label) or (self.name,)
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,36 @@ class Paper:
     supernodes: int
     expected: str                      # the paper's ordering, as the doc states it
     settings: str = ""                 # what differs from the paper, in words
+    #: the paper's own comparison tables: table -> its methods, in the paper's order (the specs'
+    #: headline-number sections); a method no row reruns yet maps to the issue that adds it
+    tables: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)   # method -> why it has no row here
     rows_by_name: dict[str, Row] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self.rows_by_name.update({r.name: r for r in self.rows})
+
+    def coverage(self) -> list[tuple[str, str, list[str]]]:
+        """``(table, method, rows)`` for every method of the paper's tables, in the paper's
+        order: the (non-probe) rows that rerun it, ``[]`` where none does."""
+        return [(table, m, [r.name for r in self.rows if not r.probe and m in r.methods])
+                for table, methods in self.tables.items() for m in methods]
+
+    def listing(self) -> str:
+        """What ``--list`` prints for this paper: settings, then every table of the paper with
+        each method's rows, then the rows with their run-config overrides."""
+        lines = [f"{self.name}: {self.title}", f"  settings: {self.settings}", f"  base: {self.base}"]
+        for table, methods in self.tables.items():
+            lines.append(f"  {table}:")
+            for _, m, rows in (c for c in self.coverage() if c[0] == table):
+                where = ", ".join(rows) if rows else f"no row yet ({self.missing.get(m, 'not implemented')})"
+                lines.append(f"    {m:<22} -> {where}")
+        lines.append("  rows:")
+        for r in self.rows:
+            tables = [t for t, ms in self.tables.items() if set(r.methods) & set(ms)]
+            tag = "probe (ours)" if r.probe else ", ".join(tables) or "extra (ours)"
+            lines.append(f"  - {r.name} [{tag}]: {r.overrides}" + (f"  ({r.note})" if r.note else ""))
+        return "\n".join(lines)
 
 
 # Settings: each paper's optimizer, lr, schedule and batch sizes (shared/specs/<paper>.md
@@ -69,15 +101,34 @@ PAPERS: dict[str, Paper] = {
               "server-labels": 500, "fraction-train": 0.3, "min-nodes": 2, "num-rounds": 15,
               "lr": 0.02, "momentum": 0.9, "weight-decay": 0.0005, "batch-size": 64,
               "semisfl.k-s": 50, "semisfl.k-u": 20, "semisfl.labeled-batch-size": 64, "semisfl.ema-decay": 0.99},
-        rows=(Row("semisfl", {"algo": "semisfl"}),
-              Row("semisfl-no-cluster", {"algo": "semisfl-no-cluster"}, "FedSwitch-SL-style: l_u = H_u, l_s = H_s, fixed K_s"),
-              Row("semisfl-fixed-ks", {"algo": "semisfl-fixed-ks"}, "clustering on, K_s fixed at 50"),
-              Row("supervised-only", {"algo": "supervised-only", "local-steps": 50},
-                  "the server alone: 50 labeled steps of batch 64 per round, same lr schedule"),
+        rows=(Row("supervised-only", {"algo": "supervised-only", "local-steps": 50},
+                  "the server alone: 50 labeled steps of batch 64 per round, same lr schedule", label="Supervised-only"),
+              Row("semifl", {"algo": "semifl", "local-steps": 20, "semifl.server-steps": 50, "semifl.server-first": True},
+                  "SemiFL, full model: the server fine-tunes 50 steps of batch 64, then static BN statistics; "
+                  "clients K_u = 20 fix+mix steps on pseudo-labels >= 0.95; global momentum 0.5; one server "
+                  "stage before round 1 (baselines.md A1 [R])", label="SemiFL"),
+              Row("fedmatch", {"algo": "fedmatch", "local-steps": 20},
+                  "FedMatch, labels at the server: theta = sigma + psi, 50 server steps on sigma, K_u = 20 "
+                  "client steps on psi, helpers every 10th round (the authors' h_interval)", label="FedMatch"),
+              Row("fedswitch", {"algo": "fedswitch", "local-steps": 20, "fedswitch.ema-decay": 0.99},
+                  "FedSwitch (reconstruction, baselines.md A3): full model, EMA teacher evaluated, local teacher "
+                  "adaptation, teacher/student switch; K_s 50, K_u = 20, EMA 0.99 as the base's Semi-SFL",
+                  label="FedSwitch"),
+              Row("semisfl-no-cluster", {"algo": "semisfl-no-cluster"}, "FedSwitch-SL-style: l_u = H_u, l_s = H_s, fixed K_s",
+                  label="FedSwitch-SL"),
+              Row("semisfl", {"algo": "semisfl"}, label=("Semi-SFL", "w/ K_s controller")),
+              Row("semisfl-fixed-ks", {"algo": "semisfl-fixed-ks"}, "clustering on, K_s fixed at 50",
+                  label="w/o K_s controller"),
+              Row("fedmatch-ls1", {"algo": "fedmatch", "local-steps": 20, "fedmatch.lambda-s": 1.0},
+                  "probe: lambda_s = 1 (the authors' lambda_s = 10 goes with their lr 1e-3 and no momentum; "
+                  "at the seed's lr 0.02 with momentum 0.9 it makes the server's steps 10x supervised-only's)",
+                  probe=True),
               Row("semisfl-T-all", {"algo": "semisfl", "semisfl.supcon-queue-positives": "all"},
                   "probe: T with every same-label queue entry a positive (the literal Eq. 3, this "
                   "library's default before 2026-11-23)", probe=True)),
         supernodes=10,
+        tables={"Tables II, IV, V": ("Supervised-only", "SemiFL", "FedMatch", "FedSwitch", "FedSwitch-SL", "Semi-SFL"),
+                "K_s controller ablation (§8)": ("w/ K_s controller", "w/o K_s controller")},
         expected="Semi-SFL > FedSwitch-SL (no clustering) > supervised-only; adaptive K_s >= fixed K_s",
         settings="SGD momentum 0.9, lr 0.02 cosine, weight decay 5e-4, batch 64 (paper); K_s 50 initial, "
                  "K_u 20, EMA 0.99 (spec small-scale check); 10 clients Dir(0.1), 3 per round (paper 10 of 30); "
@@ -88,17 +139,36 @@ PAPERS: dict[str, Paper] = {
               "num-rounds": 15, "model": "cnn", "batch-size": 64, "local-steps": 16, "lr": 0.03,
               "momentum": 0.9, "weight-decay": 0.0001, "ssfl.lr-c": 0.4375, "ssfl.lr-horizon": 1.0,
               "ssfl.nesterov": True},
-        rows=(Row("ssfl-gn", {"algo": "ssfl", "norm": "gn"}),
-              Row("ssfl-bn", {"algo": "ssfl", "norm": "bn"}),
-              Row("ssfl-gn-s2", {"algo": "ssfl", "norm": "gn", "ssfl.groups": 2}, "grouping-based averaging, S = 2"),
-              Row("ssfl-selftrain-gn", {"algo": "ssfl-selftrain", "norm": "gn"}, "self-training instead of CRL"),
+        rows=(Row("ssfl-selftrain-gn", {"algo": "ssfl-selftrain", "norm": "gn"}, "self-training instead of CRL",
+                  label="self-training"),
+              Row("ssfl-bn", {"algo": "ssfl", "norm": "bn"}, label="CRL+BN"),
+              Row("ssfl-gn", {"algo": "ssfl", "norm": "gn"}, label=("CRL+GN", "ours (no user labels)", "ours FedAvg")),
+              Row("ssfl-gn-s2", {"algo": "ssfl", "norm": "gn", "ssfl.groups": 2}, "grouping-based averaging, S = 2",
+                  label=("CRL+GN+grouping", "ours grouping")),
               Row("supervised-only-gn", {"algo": "supervised-only", "norm": "gn"}, "the server's 1,000 labels alone"),
-              Row("fedavg-gn", {"algo": "fedavg", "norm": "gn"}, "reference: every user sample labeled")),
+              Row("fedavg-gn", {"algo": "fedavg", "norm": "gn"}, "reference: every user sample labeled"),
+              Row("fedavg-gn-r029", {"algo": "fedavg", "norm": "gn", "partition-r": 0.29},
+                  "Table 3's supervised FedAvg, at its R = 0.29", label="supervised FedAvg"),
+              Row("datasharing-gn", {"algo": "datasharing", "norm": "gn", "server-labels": 200,
+                                     "datasharing.target-r": 0.29},
+                  "G = 200 class-balanced samples (beta = 5% of the 4,000), warm-up 5 passes over G; "
+                  "alpha chosen so that R(D_k + G_k) = 0.29 (Table 3's R) from the private R = 0.4",
+                  label="DataSharing"),
+              Row("easgd-gn", {"algo": "easgd", "norm": "gn"},
+                  "synchronous EASGD, period T = 16, a = 0.9/K; the centre z is evaluated", label="EASGD"),
+              Row("overlapsgd-gn", {"algo": "overlapsgd", "norm": "gn"},
+                  "Overlap Local-SGD, period T = 16, pull 0.6, anchor momentum 0.7; the anchor is evaluated",
+                  label="OverlapSGD")),
         supernodes=10,
+        tables={"design ablation (§9)": ("self-training", "CRL+BN", "CRL+GN", "CRL+GN+grouping"),
+                "Table 3": ("supervised FedAvg", "DataSharing", "ours (no user labels)"),
+                "Table 4": ("EASGD", "OverlapSGD", "ours FedAvg", "ours grouping")},
         expected="CRL >> self-training; GN > BN; grouping recovers part of the non-IID gap; SSFL above supervised-only",
         settings="SGD Nesterov momentum 0.9, lr 0.03, weight decay 1e-4, cosine c = 7/16 over the run "
                  "(the paper's EMNIST row), B = 64, T = 16 steps per party per round; K = 10 users all "
-                 "participating, R = 0.4, N_s = 1,000; small CNN; 15 rounds (240 iterations)"),
+                 "participating, R = 0.4, N_s = 1,000; small CNN; 15 rounds (240 iterations). The supervised "
+                 "references (Tables 3-4: DataSharing, EASGD, OverlapSGD; Nesterov momentum 0.9, constant lr) "
+                 "keep T = 16 and K = 10 for parity (paper: T = 32 in Table 3, T in {2, 8} with K = 16 in Table 4)"),
     "fedshvr": Paper(
         name="fedshvr", title="Fed-SHVR (Wang et al.): class-mismatch FSSL on MNIST",
         base={"dataset": "mnist5k", "model": "mlp", "norm": "none", "lr": 0.01, "momentum": 0.0,
@@ -127,20 +197,35 @@ PAPERS: dict[str, Paper] = {
               "partition-alpha": 0.5, "partition-labeled-alpha": 0.5, "fraction-train": 0.1, "min-nodes": 2,
               "num-rounds": 20, "batch-size": 64, "lr": 0.0001, "momentum": 0.9, "weight-decay": 0.0,
               "local-epochs": 1},
-        rows=(Row("umpfssl", {"algo": "umpfssl"}),
+        rows=(Row("fedavg-sl", {"algo": "fedavg-sl"},
+                  "FedAvg, CE on D_k^s + D_k^u with D_k^u's true labels (privileged-label reference)", label="FedAvg-SL"),
+              Row("fedprox-sl", {"algo": "fedprox-sl"},
+                  "FedProx (mu = 0.01), CE on fully labeled clients (reference)", label="FedProx-SL"),
+              Row("fedbn-sl", {"algo": "fedbn-sl"},
+                  "FedBN (BatchNorm local, uniform mean), CE on fully labeled clients (reference)", label="FedBN-SL"),
+              Row("fixavg", {"algo": "fixavg"}, label="FixAvg"),
+              Row("fixprox", {"algo": "fixprox"}, label="FixProx"),
+              Row("fixbn", {"algo": "fixbn"}, "FedBN + FixMatch (BatchNorm layers local, uniform mean)", label="FixBN"),
+              Row("fedper-fix", {"algo": "fedper-fix"}, label="FedPer"),
+              Row("lg-fedavg-fix", {"algo": "lg-fedavg-fix"},
+                  "LG-FedAvg + FixMatch (local body, global head, uniform mean)", label="LG-FedAvg"),
+              Row("pfedme-fix", {"algo": "pfedme-fix"},
+                  "pFedMe + FixMatch (lambda 15, K 5, personal lr 0.01, beta 1; theta_k evaluated)", label="pFedMe"),
+              Row("umpfssl", {"algo": "umpfssl"}, label="UM-pFSSL"),
               Row("umpfssl-no-helpers", {"algo": "umpfssl", "umpfssl.helpers": 1, "umpfssl.replace": 0},
                   "M = 1: the client's own model only (uncertainty-weighted pseudo-labels, no helpers)"),
-              Row("fixavg", {"algo": "fixavg"}),
-              Row("fixprox", {"algo": "fixprox"}),
-              Row("fedper-fix", {"algo": "fedper-fix"}),
               Row("local-only", {"algo": "local-only"}),
               Row("umpfssl-lr0.01", {"algo": "umpfssl", "lr": 0.01},
                   "probe: 100x the paper's learning rate (this library's earlier setting)", probe=True),
               Row("fixavg-lr0.01", {"algo": "fixavg", "lr": 0.01}, "probe: FixAvg at 100x the paper's lr",
                   probe=True),
               Row("local-only-lr0.01", {"algo": "local-only", "lr": 0.01},
-                  "probe: local-only at 100x the paper's lr", probe=True)),
+                  "probe: local-only at 100x the paper's lr", probe=True),
+              *(Row(f"{a}-lr0.01", {"algo": a, "lr": 0.01}, f"probe: {a} at 100x the paper's lr", probe=True)
+                for a in ("fedavg-sl", "fedprox-sl", "fedbn-sl", "fixbn", "lg-fedavg-fix", "pfedme-fix"))),
         supernodes=20,
+        tables={"Table 1": ("FedAvg-SL", "FedProx-SL", "FedBN-SL", "FixAvg", "FixProx", "FixBN", "FedPer", "LG-FedAvg",
+                            "pFedMe", "UM-pFSSL")},
         expected="UM-pFSSL > FixAvg/FixProx/FedPer in mean per-client accuracy, with a lower variance",
         settings="SGD lr 1e-4 momentum 0.9, batch 64, dropout 0.5, 10% of the clients per round, M = 5, "
                  "R = 2, F = 20, nu = 10 (paper); K = 20, Dir(0.5) labels, Dir_2(0.5) labeled ratios, E = 1, "
@@ -151,16 +236,33 @@ PAPERS: dict[str, Paper] = {
         base={"partition": "quantity", "partition-classes-per-client": 2, "fraction-train": 0.25,
               "min-nodes": 2, "num-rounds": 30, "model": "cnn", "cut": "conv2", "lr": 0.01, "momentum": 0.0,
               "weight-decay": 0.0, "scala.local-iterations": 10, "scala.total-batch": 160},
-        rows=(Row("scala", {"algo": "scala"}),
-              Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL: concatenation, plain CE"),
-              Row("lla-sfl", {"algo": "lla-sfl"}),
-              Row("splitfed-v1", {"algo": "splitfed-v1"}),
-              Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round"),
+        rows=(Row("fedavg", {"algo": "fedavg", "local-steps": 10, "batch-size": 32},
+                  "Table III, full-model FL: I = 10 local steps on batches of B/|S_t| = 32", label="FedAvg"),
               Row("fedprox", {"algo": "fedprox", "local-steps": 10, "batch-size": 32},
-                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, mu = 0.01"),
+                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, mu = 0.01", label="FedProx"),
               Row("fedlc", {"algo": "fedlc", "local-steps": 10, "batch-size": 32},
-                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, tau = 1.0")),
+                  "Tables III-V, full-model FL: I = 10 local steps on batches of B/|S_t| = 32, tau = 1.0", label="FedLC"),
+              Row("fedcbs", {"algo": "fedcbs", "local-steps": 10, "batch-size": 32},
+                  "Table III, full-model FL: FedAvg with class-balanced client sampling (QCID, lambda = 10); "
+                  "I = 10 local steps on batches of 32; the nodes' label histograms go to the server", label="FedCBS"),
+              Row("splitfed-v1", {"algo": "splitfed-v1"}, label="SplitFedV1"),
+              Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round",
+                  label="SplitFedV2"),
+              Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL: concatenation, plain CE", label=("CA-SFL", "Minibatch-SFL")),
+              Row("scala", {"algo": "scala"}, label="SCALA"),
+              Row("lla-sfl", {"algo": "lla-sfl"}, label="LLA-SFL"),
+              Row("fedconcat", {"algo": "fedconcat", "local-steps": 10, "batch-size": 32},
+                  "Table IV, full-model FL: K = 5 clusters by K-means on the nodes' label distributions; rounds "
+                  "1-15 FedAvg within each cluster, rounds 16-30 a head over the 5 concatenated encoders "
+                  "(initialised from the cluster heads); I = 10 local steps on batches of 32", label="FedConcat")),
         supernodes=20,
+        tables={"Table II": ("SplitFedV1", "CA-SFL", "LLA-SFL", "SCALA"),
+                "Table III": ("FedAvg", "FedProx", "FedLC", "FedCBS", "SplitFedV1", "SplitFedV2", "SFLLocalLoss",
+                              "Minibatch-SFL", "CS-SFL", "SCALA"),
+                "Table IV": ("FedProx", "FedLC", "FedConcat", "SCALA"),
+                "Table V": ("FedProx", "FedLC", "SCALA"),
+                "Table VI": ("SCALA", "SCALA-PE")},
+        missing={"SFLLocalLoss": "issue 27", "CS-SFL": "issue 27", "SCALA-PE": "issue 27"},
         expected="SCALA > CA-SFL (= Minibatch-SFL) > SplitFedV2 ~ SplitFedV1 (Table III, CIFAR-10 alpha = 2: "
                  "82.70 > 74.47 > 62.24 ~ 60.97), LLA-SFL > SplitFedV1 (Table II); SCALA smallest per-class spread",
         settings="plain SGD lr 0.01, B = 160, I = 10 (spec small-scale check; paper B = 320, I = 20); K = 20, "
@@ -258,13 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
     ap.add_argument("--out", default=None, help="results folder (default: results/papers/<paper>)")
     ap.add_argument("--rounds", type=int, default=None, help="override num-rounds (quick looks)")
-    ap.add_argument("--list", action="store_true", help="print the papers, their rows and settings")
+    ap.add_argument("--list", action="store_true",
+                    help="print the paper's tables (each method and the rows that rerun it), rows and settings")
     args = ap.parse_args(argv)
     if args.list or not args.paper:
-        for p in PAPERS.values():
-            print(f"{p.name}: {p.title}\n  settings: {p.settings}\n  base: {p.base}")
-            for r in p.rows:
-                print(f"  - {r.name}: {r.overrides}" + (f"  ({r.note})" if r.note else ""))
+        for p in ([PAPERS[args.paper]] if args.paper else PAPERS.values()):
+            print(p.listing())
         return 0 if args.list else 2
     unknown = [r for r in (args.rows or []) if r not in PAPERS[args.paper].rows_by_name]
     if unknown:

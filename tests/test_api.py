@@ -24,8 +24,11 @@ from tasks.env import NodeData, library_env
 from tests.test_conformance import NODES, config, state_of
 
 MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scala", "fedshvr": "FedSHVR",
-        "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedLC"}
-MODULE = {"fedlc": "fedprox"}   # (an algorithm whose module is named after another)
+        "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedLC",
+        # the baselines of issue 26: Semi-SFL's, SCALA's, the SSFL benchmark's
+        "semifl": "SemiFL", "fedmatch": "FedMatch", "fedswitch": "FedSwitch", "fedcbs": "FedCBS",
+        "fedconcat": "FedConcat", "datasharing": "DataSharing", "easgd": "EASGD", "overlapsgd": "OverlapSGD"}
+MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic"}   # (a module named after another)
 
 
 def _client_cls(algo: str) -> type[AlgorithmClient]:
