@@ -131,6 +131,16 @@ def label_consent(node_config: Any) -> bool:
     return v is True or str(v).strip().lower() in ("true", "1", "yes")
 
 
+def consented_share(metrics: list[Any], hits: str, total: str) -> tuple[int, float | None]:
+    """The server's half of :func:`label_consent`: over the replies' metric records, how many
+    nodes reported the label-derived count ``hits`` (only those that consented send it), and
+    ``sum(hits) / sum(total)`` over those nodes (``None`` when none did or ``total`` sums to 0:
+    the metric is then not reported, never 0)."""
+    told = [m for m in metrics if hits in m]
+    den = sum(float(m[total]) for m in told)
+    return len(told), (sum(float(m[hits]) for m in told) / den if den > 0 else None)
+
+
 def withhold_label_metrics(reply: Message, names: tuple[str, ...] | frozenset[str], context: Context) -> Message:
     """``reply`` without the metrics ``names`` (those an algorithm computes from a node's
     labels) unless the node consents (:func:`label_consent`); the server then records them

@@ -424,14 +424,30 @@ class BaseStrategy(Strategy):
         """The model whose test accuracy is the run's result (override: e.g. EMA teacher)."""
         return self.model
 
+    #: the name of :meth:`eval_model` in the metrics (``<name>-accuracy`` beside ``accuracy``),
+    #: where another model is also evaluated (:meth:`also_evaluated`): e.g. ``"teacher"``
+    eval_name: str = ""
+
+    def also_evaluated(self) -> dict[str, torch.nn.Module]:
+        """Models evaluated beside :meth:`eval_model`, by name: ``<name>-accuracy`` (e.g. the
+        student beside its EMA teacher)."""
+        return {}
+
     def evaluate_global(self) -> dict[str, Any]:
         """Accuracy, loss and per-class accuracy on the server's test set (none given: ``{}``,
-        and ``start(evaluate_fn=...)`` is the evaluation)."""
+        and ``start(evaluate_fn=...)`` is the evaluation), and the accuracy of the models of
+        :meth:`also_evaluated`."""
         env = self.env
         if env.test is None or len(env.test) == 0:
             return {}
-        return evaluate(self.eval_model(), env.test, aug=env.augmenter, device=env.device,
-                        num_classes=env.num_classes)
+        out = evaluate(self.eval_model(), env.test, aug=env.augmenter, device=env.device,
+                       num_classes=env.num_classes)
+        if self.eval_name:
+            out[f"{self.eval_name}-accuracy"] = out["accuracy"]
+        for name, model in self.also_evaluated().items():
+            out[f"{name}-accuracy"] = evaluate(model, env.test, aug=env.augmenter, device=env.device,
+                                               num_classes=env.num_classes)["accuracy"]
+        return out
 
     def result_arrays(self) -> ArrayRecord:
         """What ``start`` returns as ``Result.arrays`` and passes to ``evaluate_fn``: the

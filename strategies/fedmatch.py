@@ -109,6 +109,7 @@ from split_layer.records import (
     METRICS_KEY,
     algo_config,
     client_env,
+    consented_share,
     model_to_record,
     numpy_to_record,
     record_to_numpy,
@@ -292,11 +293,9 @@ class FedMatchStrategy(BaseStrategy):
                for k in self.reply_metrics}
         out["psi-upload-density"] = float(sum(float(m["psi-changed"]) for m in mets)
                                           / max(sum(float(m["psi-entries"]) for m in mets), 1.0))
-        told = [m for m in mets if "pseudo-correct" in m]   # consenting nodes only: else not reported
-        out["label-metrics-nodes"] = float(len(told))
-        kept = sum(float(m["pseudo-kept"]) for m in told)
-        if kept > 0:
-            out["impurity"] = 1.0 - sum(float(m["pseudo-correct"]) for m in told) / kept
+        out["label-metrics-nodes"], correct = consented_share(mets, "pseudo-correct", "pseudo-kept")
+        if correct is not None:
+            out["impurity"] = 1.0 - correct
         return out
 
     # ------------------------------------------------------------------ evaluation

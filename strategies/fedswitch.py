@@ -88,6 +88,7 @@ from split_layer.records import (
     METRICS_KEY,
     algo_config,
     client_env,
+    consented_share,
     model_to_record,
     record_to_numpy,
 )
@@ -96,7 +97,7 @@ from tasks.config import ConfigError, knob
 from tasks.ema import ema_update
 from tasks.fedswitch_rule import server_steps, train_fedswitch
 from tasks.schedules import cosine_decay
-from tasks.training import derive_seed, evaluate, load_numpy_state, make_sgd, num_local_steps, set_lr
+from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_steps, set_lr
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
@@ -195,27 +196,19 @@ class FedSwitchStrategy(BaseStrategy):
         w = seen if seen.sum() > 0 else np.ones(len(mets))
         out = {k: float(np.average([float(m.get(k, float("nan"))) for m in mets], weights=w))
                for k in self.reply_metrics}
-        # the consenting nodes' pseudo-label errors (none without consent: not reported, never 0)
-        told = [m for m in mets if "pseudo-correct" in m]
-        out["label-metrics-nodes"] = float(len(told))
-        kept = sum(float(m["pseudo-kept"]) for m in told)
-        if kept > 0:
-            out["impurity"] = 1.0 - sum(float(m["pseudo-correct"]) for m in told) / kept
+        out["label-metrics-nodes"], correct = consented_share(mets, "pseudo-correct", "pseudo-kept")
+        if correct is not None:
+            out["impurity"] = 1.0 - correct
         return out
 
     # ------------------------------------------------------------------ evaluation
+    eval_name = "teacher"
+
     def eval_model(self) -> torch.nn.Module:
         return self.teacher   # the global teacher w~ [S]
 
-    def evaluate_global(self) -> dict[str, Any]:
-        out = super().evaluate_global()
-        if not out:
-            return out   # no server test set: start(evaluate_fn=...) evaluates
-        student = evaluate(self.model, self.env.test, aug=self.env.augmenter, device=self.env.device,
-                           num_classes=self.env.num_classes)
-        out["teacher-accuracy"] = out["accuracy"]
-        out["student-accuracy"] = student["accuracy"]
-        return out
+    def also_evaluated(self) -> dict[str, torch.nn.Module]:
+        return {"student": self.model}
 
     # ------------------------------------------------------------------ checkpoints
     def extra_state(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ from split_layer.records import (
     METRICS_KEY,
     algo_config,
     client_env,
+    consented_share,
     model_to_record,
     numpy_to_record,
     record_to_numpy,
@@ -332,11 +333,9 @@ class SemiFLStrategy(BaseStrategy):
         fix = sum(float(m.get("fix-size", 0.0)) for m in mets)
         out["fix-rate"] = fix / size if size > 0 else 0.0
         # label-derived: from the nodes that consented (records.label_consent); else not reported
-        consenting = [m for m in mets if "fix-correct" in m]
-        out["label-metrics-nodes"] = len(consenting)
-        kept = sum(float(m["fix-size"]) for m in consenting)
-        if kept > 0:
-            out["pseudo-label-accuracy"] = sum(float(m["fix-correct"]) for m in consenting) / kept
+        out["label-metrics-nodes"], correct = consented_share(mets, "fix-correct", "fix-size")
+        if correct is not None:
+            out["pseudo-label-accuracy"] = correct
         return out
 
     # ---------------------------------------------------------------- checkpoints

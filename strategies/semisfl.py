@@ -111,7 +111,7 @@ from tasks.semisfl_server import (  # the PS's plain-torch core; names re-export
     SemiSFLServer,
     milestone_period,
 )
-from tasks.training import derive_seed, evaluate, make_sgd
+from tasks.training import derive_seed, make_sgd
 
 from .base import SplitStrategy
 from .client import AlgorithmClient
@@ -293,18 +293,13 @@ class SemiSFLStrategy(SplitStrategy):
         self.core._sup_losses = []
 
     # ------------------------------------------------------------------ evaluation
+    eval_name = "teacher"
+
     def eval_model(self) -> torch.nn.Module:
         return self.core.teacher  # the global teacher (w~_c, w~_s) [P]
 
-    def evaluate_global(self) -> dict[str, Any]:
-        out = super().evaluate_global()
-        if not out:
-            return out  # no server test set: start(evaluate_fn=...) evaluates
-        student = evaluate(self.model, self.env.test, aug=self.env.augmenter, device=self.env.device,
-                           num_classes=self.env.num_classes)
-        out["teacher-accuracy"] = out["accuracy"]
-        out["student-accuracy"] = student["accuracy"]
-        return out
+    def also_evaluated(self) -> dict[str, torch.nn.Module]:
+        return {"student": self.model}
 
     # ------------------------------------------------------------------ checkpoints
     def split_extra_state(self) -> dict[str, Any]:

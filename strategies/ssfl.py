@@ -95,6 +95,7 @@ from split_layer.records import (
     METRICS_KEY,
     algo_config,
     client_env,
+    consented_share,
     model_to_record,
     numpy_to_record,
     record_to_numpy,
@@ -377,9 +378,9 @@ class SSFLStrategy(BaseStrategy):
         # metric no user reported is left out (not reported), never 0
         told = [m for m in mets if "pseudo-correct" in m or "pseudo-hist" in m]
         out["label-metrics-nodes"] = len(told)
-        kept = sum(m["pseudo-kept"] for m in told if "pseudo-correct" in m)
-        if kept > 0:
-            out["impurity"] = 1.0 - sum(m["pseudo-correct"] for m in told if "pseudo-correct" in m) / kept
+        _, correct = consented_share(mets, "pseudo-correct", "pseudo-kept")
+        if correct is not None:
+            out["impurity"] = 1.0 - correct
         hists = [np.asarray(m.get("pseudo-hist", []), dtype=np.float64) for m in told]
         size = max((len(h) for h in hists), default=0)
         if size and sum(h.sum() for h in hists) > 0:
