@@ -15,6 +15,11 @@ wall time. The figure plots accuracy against round (left) and against cumulative
 With ``--by-seed`` runs that differ only in ``seed`` are one experiment: one row each with
 the mean ± sample std over the seeds of the final, best and last-5-round accuracy, and a
 figure of the mean curves with ±1 std bands (``flower_apps.papers`` writes its tables so).
+
+Where a run folder holds an ``attack.json`` (written by ``python -m flower_apps.attack``: the
+evaluation inversion attacker on the run's final model), both tables add the columns "attack
+MSE", "attack SSIM" and "attack PSNR" (the seed table: mean ± std over the seeds that have one);
+runs without one get "n/a" there. Without any ``attack.json`` the tables are as before.
 """
 from __future__ import annotations
 
@@ -28,6 +33,10 @@ from typing import Any
 
 from flower_apps.results import CONFIG, METRICS
 
+ATTACK_FILE = "attack.json"   # (flower_apps.attack writes it)
+#: the attack metrics shown, as (attack.json key, column name, digits)
+ATTACK_COLUMNS = (("attack-mse", "attack MSE", 4), ("attack-ssim", "attack SSIM", 3), ("attack-psnr", "attack PSNR", 2))
+
 # keys that differ between runs but say nothing about the experiment
 _IGNORED_KEYS = {"run-name", "results-dir", "resume", "round-timeout"}
 
@@ -37,6 +46,11 @@ class Run:
     path: Path
     config: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
+    attack: dict[str, Any] | None = None   # the run's attack.json, if any
+
+    def attack_value(self, key: str) -> float:
+        v = (self.attack or {}).get(key)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
     @property
     def name(self) -> str:
@@ -82,7 +96,15 @@ def read_run(path: str | Path) -> Run:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break  # torn last line of a killed run
-    return Run(p, cfg, rows)
+    attack = None
+    if (p / ATTACK_FILE).exists():
+        try:
+            attack = json.loads((p / ATTACK_FILE).read_text())
+        except (OSError, ValueError):
+            attack = None   # unreadable: shown as n/a
+        if not isinstance(attack, dict):
+            attack = None
+    return Run(p, cfg, rows, attack)
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
@@ -128,9 +150,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _has_attack(runs: list[Run]) -> bool:
+    return any(r.attack for r in runs)
+
+
+def _num(v: float, digits: int) -> str:
+    return "n/a" if math.isnan(v) else f"{v:.{digits}f}"
+
+
 def markdown_table(runs: list[Run], metric: str = "accuracy") -> str:
     vary = varying_keys(runs)
-    head = ["run", "algo", *vary, f"final {metric}", f"best {metric} (round)", "rounds", "bytes", "wall time"]
+    attack = _has_attack(runs)
+    head = ["run", "algo", *vary, f"final {metric}", f"best {metric} (round)", "rounds", "bytes", "wall time",
+            *([c for _, c, _ in ATTACK_COLUMNS] if attack else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s = r.summary(metric)
@@ -138,7 +170,8 @@ def markdown_table(runs: list[Run], metric: str = "accuracy") -> str:
         final = "n/a" if math.isnan(s["final"]) else f"{s['final']:.4f}"
         wall = "n/a" if math.isnan(s["wall"]) else f"{s['wall']:.0f} s"
         cells = [r.name, str(r.config.get("algo", "?")), *(_fmt(r.config.get(k, "")) for k in vary),
-                 final, best, str(s["rounds"]), _fmt_bytes(s["bytes"]), wall]
+                 final, best, str(s["rounds"]), _fmt_bytes(s["bytes"]), wall,
+                 *([_num(r.attack_value(k), d) for k, _, d in ATTACK_COLUMNS] if attack else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -174,9 +207,11 @@ class SeedGroup:
             w = r.summary(metric)["wall"]
             if not math.isnan(w):
                 walls.append(w)
+        attack = {k: _mean_std([v for v in (r.attack_value(k) for r in self.runs) if not math.isnan(v)])
+                  for k, _, _ in ATTACK_COLUMNS}
         return {"seeds": [r.config.get("seed") for r in self.runs], "n": len(finals),
                 "final": _mean_std(finals), "best": _mean_std(bests), "last": _mean_std(tails),
-                "rounds": min(rounds) if rounds else 0, "wall": _mean_std(walls)}
+                "rounds": min(rounds) if rounds else 0, "wall": _mean_std(walls), "attack": attack}
 
     def mean_curve(self, metric: str = "accuracy") -> tuple[list[int], list[float], list[float]]:
         """Per round (rounds all seeds reached): mean and sample std over the seeds."""
@@ -227,15 +262,17 @@ def _pm(ms: tuple[float, float], digits: int = 3) -> str:
 def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5) -> str:
     """One row per experiment: mean ± std over its seeds (final, best, last-``last`` mean)."""
     vary = varying_keys([g.runs[0] for g in groups])
+    attack = _has_attack([r for g in groups for r in g.runs])
     head = ["row", "algo", *vary, "seeds", f"final {metric}", f"best {metric}", f"last-{last} mean",
-            "rounds", "wall time / run"]
+            "rounds", "wall time / run", *([c for _, c, _ in ATTACK_COLUMNS] if attack else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         st = g.stats(metric, last)
         wall = "n/a" if math.isnan(st["wall"][0]) else f"{st['wall'][0]:.0f} s"
         cells = [g.label, str(g.config.get("algo", "?")), *(_fmt(g.config.get(k, "")) for k in vary),
                  ",".join(str(s) for s in st["seeds"]), _pm(st["final"]), _pm(st["best"]), _pm(st["last"]),
-                 str(st["rounds"]), wall]
+                 str(st["rounds"]), wall,
+                 *([_pm(st["attack"][k], d) for k, _, d in ATTACK_COLUMNS] if attack else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
