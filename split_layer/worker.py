@@ -33,6 +33,12 @@ stream, each forward pass once with its graph kept until the gradients arrive, a
 final bottom returned as the Flower reply. Same batches, seeds and hooks, hence the same
 weights as the message path. Hooks see ``w.recomputing`` only in the message path.
 
+Local-loss split learning (hooks with ``trains_locally``, e.g. SFLLocalLoss): the bottom
+trains on the hooks' ``local_loss`` at the step it sends (one forward with a graph, one
+optimizer step, the streams of that forward sent detached); the server sends no gradients
+(steps 2..I+1 carry none) and nothing is recomputed (:meth:`SplitWorker.local_message_step`,
+:meth:`SplitWorker.local_stream_visit`).
+
 Validation: incoming gradients must name a stream that was sent with a graph and match
 its shape and dtype, with no NaN/Inf; otherwise :class:`SplitValidationError` is raised
 (the reply is an error; nothing is applied).
@@ -188,6 +194,20 @@ class SplitClientHooks:
     def info(self, w: Worker) -> dict[str, Any]:
         """Extra config for the one-time ``split-info`` reply."""
         return {}
+
+    #: Local-loss split learning (e.g. SFLLocalLoss): the bottom trains on :meth:`local_loss`
+    #: at the step it sends its streams (one forward pass with a graph, one optimizer step, then
+    #: the streams of that forward, detached, are sent); the server sends no gradients and any
+    #: tensor that comes down is ignored. Default ``False``: the bottom trains on the server's
+    #: gradients.
+    trains_locally: bool = False
+
+    def local_loss(self, w: Worker, outs: dict[str, torch.Tensor], yb: torch.Tensor, step: int) -> torch.Tensor:
+        """The loss a local-loss bottom steps on (:attr:`trains_locally`), from the step's streams
+        ``outs`` (with their graph) and the batch's labels ``yb``; called under the step's seed,
+        before the optimizer's ``zero_grad``. Parameters outside ``w.optimizer`` (e.g. an
+        auxiliary head) are the hook's to zero and step (:meth:`after_step`)."""
+        raise NotImplementedError("trains_locally hooks must define local_loss")
 
 
 # --------------------------------------------------------------------------- state helpers
@@ -388,6 +408,8 @@ class SplitWorker:
         """Message ``step`` of a round over Flower messages: apply the gradients of ``step - 1``
         on its recomputed forward pass, then send the streams of ``step`` (or, after step
         ``I``, the final reply)."""
+        if self.hooks.trains_locally:
+            return self.local_message_step(w, incoming, step, st)
         if step == 1:
             self.begin(w, incoming, st)
         else:
@@ -459,6 +481,8 @@ class SplitWorker:
 
     def stream_visit(self, w: Worker, incoming: Envelope, st: RecordDict, client: StreamClient) -> Envelope:
         """One round's visit over the stream: steps 1..I, the final gradients; the final envelope."""
+        if self.hooks.trains_locally:
+            return self.local_stream_visit(w, incoming, st, client)
         self.begin(w, incoming, st)
         self.check_sizes(w)
         data = self.hooks.data(w)
@@ -472,6 +496,56 @@ class SplitWorker:
             self.apply_gradients(w, data, outs, grads, step - 1)
             if step <= w.iters:
                 outs = self.forward(w, data, step, grad=True)
+                client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
+        return self.finish(w, data, st)
+
+    # ------------------------------------------------------------------ local-loss path
+    def local_step(self, w: Worker, data: ArrayDataset, step: int) -> dict[str, torch.Tensor]:
+        """Local-loss split learning (:attr:`SplitClientHooks.trains_locally`), both transports:
+        the forward pass of ``step`` with its graph (same batch and seed as :meth:`forward`), one
+        optimizer step on :meth:`SplitClientHooks.local_loss`, and the streams of that forward,
+        detached, to send (computed before the step; BatchNorm statistics updated once)."""
+        xb, yb = to_device_batch(data, self.batch(w, data, step), w.env.device)
+        with COMPUTE_LOCK, seeded(forward_seed(w.env.task.seed, w.rnd, w.partition, step), w.env.device):
+            outs = self.hooks.forward(w, xb, yb, step)
+            loss = self.hooks.local_loss(w, outs, yb, step)
+            w.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            w.optimizer.step()
+            self.hooks.after_step(w, step)
+        return {k: v.detach() for k, v in outs.items()}
+
+    def local_message_step(self, w: Worker, incoming: Envelope, step: int, st: RecordDict) -> Envelope:
+        """:meth:`message_step` of a local-loss bottom: step ``s <= I`` trains and sends its streams
+        in the same message (no recomputation: no gradient comes back); step ``I + 1`` the final
+        reply. Tensors that come down are ignored."""
+        if step == 1:
+            self.begin(w, incoming, st)
+        else:
+            self.resume(w, st, step)
+        self.check_sizes(w)
+        data = self.hooks.data(w)
+        if step <= w.iters:
+            outs = self.local_step(w, data, step)
+            self.keep(w, st, step)
+            return Envelope(tensors={k: _to_numpy(v) for k, v in outs.items()})
+        return self.finish(w, data, st)
+
+    def local_stream_visit(self, w: Worker, incoming: Envelope, st: RecordDict, client: StreamClient) -> Envelope:
+        """:meth:`stream_visit` of a local-loss bottom: the same steps as
+        :meth:`local_message_step`, each sent after the server's frame of the step before (in
+        lockstep, as over messages); the frames that come down carry no gradients."""
+        self.begin(w, incoming, st)
+        self.check_sizes(w)
+        data = self.hooks.data(w)
+        for step in range(1, w.iters + 2):
+            if step > 1:
+                with _released(COMPUTE_LOCK):
+                    header, _ = client.recv()
+                if int(header.get("step", -1)) != step or bool(header.get("final")) != (step > w.iters):
+                    raise SplitProtocolError(f"split stream: expected step {step}, got header {header}")
+            if step <= w.iters:
+                outs = self.local_step(w, data, step)
                 client.send({"step": step}, {k: _to_numpy(v) for k, v in outs.items()})
         return self.finish(w, data, st)
 
