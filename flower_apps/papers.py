@@ -248,7 +248,15 @@ PAPERS: dict[str, Paper] = {
               Row("splitfed-v1", {"algo": "splitfed-v1"}, label="SplitFedV1"),
               Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round",
                   label="SplitFedV2"),
-              Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL: concatenation, plain CE", label=("CA-SFL", "Minibatch-SFL")),
+              Row("sfl-local-loss", {"algo": "sfl-local-loss"},
+                  "Table III [R]: clients train on a local auxiliary head (flatten + linear on the cut's "
+                  "activation), no server gradients; one server part, one CE step per client in a seeded "
+                  "random order; bottoms and heads averaged", label="SFLLocalLoss"),
+              Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL (also registered as minibatch-sfl): concatenation, "
+                  "plain CE", label=("CA-SFL", "Minibatch-SFL")),
+              Row("cs-sfl", {"algo": "cs-sfl"},
+                  "Table III, reconstruction [R]: SplitFedV1 with class-balanced client selection (Fed-CBS's "
+                  "QCID sampler, lambda = 10) from the split-info label histograms", label="CS-SFL"),
               Row("scala", {"algo": "scala"}, label="SCALA"),
               Row("lla-sfl", {"algo": "lla-sfl"}, label="LLA-SFL"),
               Row("fedconcat", {"algo": "fedconcat", "local-steps": 10, "batch-size": 32},
@@ -262,7 +270,7 @@ PAPERS: dict[str, Paper] = {
                 "Table IV": ("FedProx", "FedLC", "FedConcat", "SCALA"),
                 "Table V": ("FedProx", "FedLC", "SCALA"),
                 "Table VI": ("SCALA", "SCALA-PE")},
-        missing={"SFLLocalLoss": "issue 27", "CS-SFL": "issue 27", "SCALA-PE": "issue 27"},
+        missing={"SCALA-PE": "issue 27"},
         expected="SCALA > CA-SFL (= Minibatch-SFL) > SplitFedV2 ~ SplitFedV1 (Table III, CIFAR-10 alpha = 2: "
                  "82.70 > 74.47 > 62.24 ~ 60.97), LLA-SFL > SplitFedV1 (Table II); SCALA smallest per-class spread",
         settings="plain SGD lr 0.01, B = 160, I = 10 (spec small-scale check; paper B = 320, I = 20); K = 20, "

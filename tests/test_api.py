@@ -30,10 +30,13 @@ MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scal
         "fedconcat": "FedConcat", "datasharing": "DataSharing", "easgd": "EASGD", "overlapsgd": "OverlapSGD",
         # UM-pFSSL's Table 1
         "fedavg-sl": "FedAvgSL", "fedprox-sl": "FedProxSL", "fedbn-sl": "FedBNSL", "fixbn": "FixBN",
-        "lg-fedavg-fix": "LGFedAvg", "pfedme-fix": "PFedMe"}
+        "lg-fedavg-fix": "LGFedAvg", "pfedme-fix": "PFedMe",
+        # SCALA's split baselines (issue 27)
+        "sfl-local-loss": "SFLLocalLoss", "cs-sfl": "CSSFL", "minibatch-sfl": "MinibatchSFL"}
 MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic", "fedavg-sl": "supervised_refs",
           "fedprox-sl": "supervised_refs", "fedbn-sl": "supervised_refs", "fixbn": "fedbn",
-          "lg-fedavg-fix": "lgfedavg", "pfedme-fix": "pfedme"}   # (a module named after another)
+          "lg-fedavg-fix": "lgfedavg", "pfedme-fix": "pfedme", "sfl-local-loss": "scala", "cs-sfl": "scala",
+          "minibatch-sfl": "scala"}   # (a module named after another)
 
 
 def _client_cls(algo: str) -> type[AlgorithmClient]:
