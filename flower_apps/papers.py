@@ -259,6 +259,19 @@ PAPERS: dict[str, Paper] = {
                   "QCID sampler, lambda = 10) from the split-info label histograms", label="CS-SFL"),
               Row("scala", {"algo": "scala"}, label="SCALA"),
               Row("lla-sfl", {"algo": "lla-sfl"}, label="LLA-SFL"),
+              Row("scala-vgg11", {"algo": "scala", "model": "vgg11-small", "cut": "bottleneck"},
+                  "Table VI, SCALA at SCALA-PE's cut: VGG-11 (widths / 4) split after conv2 with the 8-channel "
+                  "bottleneck", label="SCALA"),
+              Row("scala-pe", {"algo": "scala-pe", "model": "vgg11-small", "cut": "bottleneck", "scala-pe.local-iterations": 10,
+                            "scala-pe.total-batch": 160, "scala-pe.ssim-threshold": 0.0, "scala-pe.inverter-interval": 1,
+                            "scala-pe.inverter-steps": 3},
+                  "Table VI: SCALA + gamma * SSIM of each node's simulated inverter (16-channel conv autoencoder, 3 "
+                  "Adam steps before every split step), gamma = 0.3 (ResSFL); plain SSIM (threshold 0) instead of "
+                  "ResSFL's 0.5 hinge, which the simulated inverter never reaches in this budget", label="SCALA-PE"),
+              Row("scala-pe-g1", {"algo": "scala-pe", "model": "vgg11-small", "cut": "bottleneck", "scala-pe.local-iterations": 10,
+                            "scala-pe.total-batch": 160, "scala-pe.ssim-threshold": 0.0, "scala-pe.inverter-interval": 1,
+                            "scala-pe.inverter-steps": 3, "scala-pe.gamma": 1.0},
+                  "gamma sweep: SCALA-PE at gamma = 1", probe=True),
               Row("fedconcat", {"algo": "fedconcat", "local-steps": 10, "batch-size": 32},
                   "Table IV, full-model FL: K = 5 clusters by K-means on the nodes' label distributions; rounds "
                   "1-15 FedAvg within each cluster, rounds 16-30 a head over the 5 concatenated encoders "
@@ -270,7 +283,7 @@ PAPERS: dict[str, Paper] = {
                 "Table IV": ("FedProx", "FedLC", "FedConcat", "SCALA"),
                 "Table V": ("FedProx", "FedLC", "SCALA"),
                 "Table VI": ("SCALA", "SCALA-PE")},
-        missing={"SCALA-PE": "issue 27"},
+
         expected="SCALA > CA-SFL (= Minibatch-SFL) > SplitFedV2 ~ SplitFedV1 (Table III, CIFAR-10 alpha = 2: "
                  "82.70 > 74.47 > 62.24 ~ 60.97), LLA-SFL > SplitFedV1 (Table II); SCALA smallest per-class spread",
         settings="plain SGD lr 0.01, B = 160, I = 10 (spec small-scale check; paper B = 320, I = 20); K = 20, "

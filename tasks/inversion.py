@@ -152,6 +152,31 @@ def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0, window: int 
     return per if per_image else float(per.mean())
 
 
+def batch_ssim(recon: torch.Tensor, image: torch.Tensor, window: int = 11, sigma: float = 1.5) -> torch.Tensor:
+    """Differentiable batch-mean SSIM as ``pytorch_ssim.SSIM()`` (11x11 Gaussian window, sigma
+    1.5, zero "same" padding, K1 = 0.01, K2 = 0.03, data range 1), in the images' dtype: the
+    value of :func:`ssim` with ``padding="same"`` (tests/test_scala_pe.py checks it), computed
+    with the window's two separable 1-D passes, fast enough for a training loss (SCALA-PE's
+    client objective, :mod:`strategies.scala_pe`); :func:`ssim` is the float64 measurement."""
+    c = recon.shape[1]
+    r = torch.arange(window, dtype=torch.float64) - (window - 1) / 2.0
+    g = torch.exp(-(r ** 2) / (2.0 * sigma ** 2))
+    g = (g / g.sum()).to(device=recon.device, dtype=recon.dtype)
+    kh, kw = g.view(1, 1, 1, window).expand(c, 1, 1, window), g.view(1, 1, window, 1).expand(c, 1, window, 1)
+    pad = window // 2
+
+    def filt(t: torch.Tensor) -> torch.Tensor:
+        t = F.conv2d(t, kh, padding=(0, pad), groups=c)
+        return F.conv2d(t, kw, padding=(pad, 0), groups=c)
+
+    a, b = recon, image.to(recon.dtype)
+    mu_a, mu_b = filt(a), filt(b)
+    var_a, var_b, cov = filt(a * a) - mu_a ** 2, filt(b * b) - mu_b ** 2, filt(a * b) - mu_a * mu_b
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    smap = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return smap.mean()
+
+
 def _ssim_window_for(h: int, w: int, window: int = 11) -> int:
     """The SSIM window for images of ``h x w``: 11, or the largest odd size that fits [ours]."""
     size = min(window, h, w)

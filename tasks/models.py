@@ -23,7 +23,10 @@ vgg16    conv1 .. conv13, fc1, fc2                               conv13
 resnet18 stem, layer1, layer2, layer3, layer4                    layer1
 resnet9  prep, layer1, layer2, layer3                            layer1
 cnn13    conv1 .. conv9                                          conv3
+vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
 ======== ======================================================= ============
+
+``vgg11-small`` (``vgg11`` at a quarter of the widths) has ``vgg11``'s cut points.
 
 * ``cnn`` - Semi-SFL's SVHN CNN (semisfl.md Section 6): conv5x5(32) -> ReLU ->
   maxpool2 -> conv5x5(64) -> ReLU -> maxpool2 -> FC512 -> ReLU -> FC(M). The
@@ -54,6 +57,24 @@ cnn13    conv1 .. conv9                                          conv3
   Section 7 [R]): 3 x conv3x3(128) + pool + dropout, 3 x conv3x3(256) + pool +
   dropout, conv3x3(512, valid), conv1x1(256), conv1x1(128), each with norm and
   LeakyReLU(0.1), global average pool, FC(M). (No weight normalisation.)
+
+* ``vgg11`` - VGG-11 (configuration "A": 64, M, 128, M, 256, 256, M, 512, 512, M,
+  512, 512, M) with the **bottleneck** of SCALA-PE / ResSFL (scala.md Section 6;
+  ResSFL's ``vgg11_bn`` with ``cutlayer=4``, ``bottleneck_option="norelu_C8S1"``):
+  conv1 = conv3x3(64)+norm+ReLU+pool, conv2 = conv3x3(128)+norm+ReLU+pool, then the
+  client's stage ``bottleneck`` = conv3x3(128 -> 8), stride 1, no norm, no ReLU
+  (the cut: 8 x H/4 x W/4, 8x7x7 at 28x28); the server's first layer expands back,
+  conv3x3(8 -> 128), stride 1, no ReLU, at the start of ``conv3`` = that conv +
+  conv3x3(256)+norm+ReLU; conv4..conv8 as configuration A (pools after conv4, conv6,
+  conv8, dropped on a 1x1 map as in ``vgg16``), global average pool, FC512, FC512,
+  FC(M) (the library's FC layout, as ``vgg16``; ResSFL's classifier is the same with
+  dropout before each hidden FC). Cutting at ``conv2`` instead keeps the bottleneck
+  pair on the server. ``bottleneck=0`` (a keyword of :func:`vgg11`, not a run-config
+  key) builds the plain VGG-11 without the pair (cut points conv1 .. conv8, fc1,
+  fc2; default conv2).
+* ``vgg11-small`` - ``vgg11`` with every width divided by 4 (16, 32, 64, 64, 128,
+  128, 128, 128; FC 128) and the same 8-channel bottleneck [ours]: the CPU-sized
+  member of the family for 28x28 MNIST-5k (about 1/16 of the FLOPs).
 
 Where the architectures adapt to the input
 ------------------------------------------
@@ -112,6 +133,8 @@ __all__ = [
     "resnet18",
     "resnet9",
     "cnn13",
+    "vgg11",
+    "vgg11_small",
     "make_norm",
 ]
 
@@ -411,6 +434,52 @@ def vgg16(*, in_channels: int, num_classes: int, image_size: int, norm: str = "b
         in_channels=in_channels, num_classes=num_classes, image_size=image_size, norm=norm, dropout=dropout))
 
 
+_VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+
+
+def vgg11(*, in_channels: int, num_classes: int, image_size: int, norm: str = "bn",
+          dropout: float = 0.0, width_divisor: int = 1, bottleneck: int = 8,
+          name: str = "vgg11") -> StagedModel:
+    """VGG-11 (configuration A) with SCALA-PE's / ResSFL's bottleneck after conv2: the client
+    compresses to ``bottleneck`` channels (conv3x3, stride 1, no ReLU), the server's first conv
+    expands back; ``width_divisor`` divides every other width; ``bottleneck=0``: no pair."""
+    _check_common(in_channels, num_classes, image_size, norm, dropout)
+    _need(name, image_size, image_size >= 4, 4)
+    for key, value, lo in (("width_divisor", width_divisor, 1), ("bottleneck", bottleneck, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{key}={value!r} must be an integer >= {lo}")
+    stages: list[tuple[str, nn.Module]] = []
+    cin, s, i = in_channels, image_size, 0
+    expand: list[nn.Module] = []
+    for v in _VGG11:
+        if v == "M":
+            if s >= 2:  # never pool a 1x1 map (small inputs, e.g. 28x28)
+                stages[-1][1].append(nn.MaxPool2d(2))
+                s //= 2
+            if i == 2 and bottleneck:  # after conv2 (and its pool): the bottleneck pair
+                stages.append(("bottleneck", nn.Sequential(nn.Conv2d(cin, bottleneck, 3, padding=1))))
+                expand = [nn.Conv2d(bottleneck, cin, 3, padding=1)]
+            continue
+        i += 1
+        cout = max(1, v // width_divisor)
+        stages.append((f"conv{i}", nn.Sequential(*expand, *_conv_block(cin, cout, norm))))
+        expand, cin = [], cout
+    fc = max(1, 512 // width_divisor)
+    stages.append(("fc1", nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), *_fc_block(cin, fc, dropout))))
+    stages.append(("fc2", nn.Sequential(*_fc_block(fc, fc, dropout))))
+    stages.append(("head", nn.Sequential(nn.Linear(fc, num_classes))))
+    return StagedModel(name, stages, "bottleneck" if bottleneck else "conv2", _config(
+        in_channels=in_channels, num_classes=num_classes, image_size=image_size, norm=norm, dropout=dropout,
+        width_divisor=width_divisor, bottleneck=bottleneck))
+
+
+def vgg11_small(*, in_channels: int, num_classes: int, image_size: int, norm: str = "bn",
+                dropout: float = 0.0, bottleneck: int = 8) -> StagedModel:
+    """``vgg11`` with widths divided by 4 (the 8-channel bottleneck kept): the CPU-sized member."""
+    return vgg11(in_channels=in_channels, num_classes=num_classes, image_size=image_size, norm=norm,
+                 dropout=dropout, width_divisor=4, bottleneck=bottleneck, name="vgg11-small")
+
+
 class BasicBlock(nn.Module):
     """ResNet basic block: two conv3x3 with norm, identity or 1x1-conv shortcut."""
 
@@ -523,6 +592,8 @@ MODELS: dict[str, Callable[..., StagedModel]] = {
     "resnet18": resnet18,
     "resnet9": resnet9,
     "cnn13": cnn13,
+    "vgg11": vgg11,
+    "vgg11-small": vgg11_small,
 }
 
 

@@ -32,11 +32,11 @@ MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scal
         "fedavg-sl": "FedAvgSL", "fedprox-sl": "FedProxSL", "fedbn-sl": "FedBNSL", "fixbn": "FixBN",
         "lg-fedavg-fix": "LGFedAvg", "pfedme-fix": "PFedMe",
         # SCALA's split baselines (issue 27)
-        "sfl-local-loss": "SFLLocalLoss", "cs-sfl": "CSSFL", "minibatch-sfl": "MinibatchSFL"}
+        "sfl-local-loss": "SFLLocalLoss", "cs-sfl": "CSSFL", "minibatch-sfl": "MinibatchSFL", "scala-pe": "ScalaPE"}
 MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic", "fedavg-sl": "supervised_refs",
           "fedprox-sl": "supervised_refs", "fedbn-sl": "supervised_refs", "fixbn": "fedbn",
           "lg-fedavg-fix": "lgfedavg", "pfedme-fix": "pfedme", "sfl-local-loss": "scala", "cs-sfl": "scala",
-          "minibatch-sfl": "scala"}   # (a module named after another)
+          "minibatch-sfl": "scala", "scala-pe": "scala_pe"}   # (a module named after another)
 
 
 def _client_cls(algo: str) -> type[AlgorithmClient]:

@@ -29,6 +29,9 @@ EXPECTED_CUTS = {
     "resnet18": (["stem", "layer1", "layer2", "layer3", "layer4"], "layer1"),
     "resnet9": (["prep", "layer1", "layer2", "layer3"], "layer1"),
     "cnn13": ([f"conv{i}" for i in range(1, 10)], "conv3"),
+    "vgg11": (["conv1", "conv2", "bottleneck"] + [f"conv{i}" for i in range(3, 9)] + ["fc1", "fc2"], "bottleneck"),
+    "vgg11-small": (["conv1", "conv2", "bottleneck"] + [f"conv{i}" for i in range(3, 9)] + ["fc1", "fc2"],
+                    "bottleneck"),
 }
 
 
