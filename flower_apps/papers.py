@@ -272,6 +272,10 @@ PAPERS: dict[str, Paper] = {
                             "scala-pe.total-batch": 160, "scala-pe.ssim-threshold": 0.0, "scala-pe.inverter-interval": 1,
                             "scala-pe.inverter-steps": 3, "scala-pe.gamma": 1.0},
                   "gamma sweep: SCALA-PE at gamma = 1", probe=True),
+              Row("scala-pe-g0.1", {"algo": "scala-pe", "model": "vgg11-small", "cut": "bottleneck", "scala-pe.local-iterations": 10,
+                            "scala-pe.total-batch": 160, "scala-pe.ssim-threshold": 0.0, "scala-pe.inverter-interval": 1,
+                            "scala-pe.inverter-steps": 3, "scala-pe.gamma": 0.1},
+                  "gamma sweep: SCALA-PE at gamma = 0.1", probe=True),
               Row("fedconcat", {"algo": "fedconcat", "local-steps": 10, "batch-size": 32},
                   "Table IV, full-model FL: K = 5 clusters by K-means on the nodes' label distributions; rounds "
                   "1-15 FedAvg within each cluster, rounds 16-30 a head over the 5 concatenated encoders "
