@@ -49,6 +49,7 @@ class AppConfig:
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")
     split_transport: str = knob_of(RoundPolicy, "split_transport")
+    system: str = knob_of(RoundPolicy, "system")
     # the split-stream-* keys: StreamOptions' knobs (their defaults, allowed values, help and rules)
     split_stream_host: str = knob_of(StreamOptions, "host")
     split_stream_advertise: str = knob_of(StreamOptions, "advertise")
@@ -63,6 +64,13 @@ class AppConfig:
         return StreamOptions(timeout=self.round_timeout,
                              **{f.name: getattr(self, STREAM_FIELD + f.name) for f, _ in stream_knobs()})
 
+    def policy(self) -> RoundPolicy:
+        """The round policy these keys choose (every :class:`RoundPolicy` field of the same name,
+        the stream's options)."""
+        names = {f.name for f, _ in fields_of(RoundPolicy)} - {"stream"}
+        return RoundPolicy(**{n: getattr(self, n) for n in names if hasattr(self, n)},
+                           stream=self.stream_options())
+
     def validate(self) -> None:
         if self.algo not in algorithm_names():
             raise ConfigError(f"algo={self.algo!r} is not one of: {', '.join(algorithm_names())}")
@@ -73,6 +81,9 @@ class AppConfig:
                 self.stream_options()
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        # system: a preset, a readable TOML file, or none (else a ConfigError naming the key); its rule
+        # with split-transport is the round policy's (one place)
+        RoundPolicy(system=self.system, split_transport=self.split_transport).validate()
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run-name={self.run_name!r} must be a plain folder name (no '/'); "
                               f"put the parent folder in results-dir")

@@ -12,7 +12,6 @@ from flwr.serverapp import Grid, ServerApp
 
 from flower_apps.config import ParsedConfig, parse_run_config, preflight
 from flower_apps.results import RunFolder
-from split_layer.rounds import RoundPolicy
 from tasks.config import ConfigError, to_flat
 
 app = ServerApp()
@@ -59,10 +58,7 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
     name = app_cfg.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = RunFolder(resolve_results_dir(app_cfg.results_dir) / name)
 
-    strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, RoundPolicy(
-        fraction_train=app_cfg.fraction_train, min_nodes=app_cfg.min_nodes,
-        round_timeout=app_cfg.round_timeout, split_transport=app_cfg.split_transport,
-        stream=app_cfg.stream_options()))
+    strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, app_cfg.policy())
     try:
         strategy.setup(grid)  # waits for min-nodes, partitions the data over the nodes seen
     except ConfigError as e:

@@ -38,6 +38,8 @@ ALGO_KEY = "algo"        # ConfigRecord: the flat algorithm config
 CONFIG_KEY = "config"    # ConfigRecord: per-message values (server-round, algo, ...)
 ARRAYS_KEY = "arrays"    # ArrayRecord: model weights
 METRICS_KEY = "metrics"  # MetricRecord: reply metrics
+WORK_KEY = "work"        # MetricRecord of a reply: the FLOPs and optimizer steps the node ran (flops, steps)
+COUNT_WORK_KEY = "count-work"   # message config: count them (a simulated system is chosen; tasks.system)
 
 # node config: may this node report metrics computed from its labels? (off by default)
 LABEL_CONSENT_KEY = "share-label-metrics"

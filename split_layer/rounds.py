@@ -24,7 +24,7 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from tasks.config import TaskConfig, knob
+from tasks.config import ConfigError, TaskConfig, knob
 from tasks.env import Env
 
 from .transport import TRANSPORTS
@@ -44,6 +44,17 @@ class RoundPolicy:
                                      "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "
                                      "which spans the run or one round: split-stream-session); see docs/split.md")
     stream: Any = None                 # split_layer.stream.StreamOptions for "stream" (None = defaults)
+    system: str = knob("none", help="the simulated system whose clock times every round (sim-seconds in the "
+                                    "metrics): none, a preset (semisfl, scala) or the path of a .toml file; "
+                                    "see docs/config.md")
+
+    def validate(self) -> None:
+        from tasks.system import load_system
+
+        if load_system(self.system) is not None and self.split_transport == "stream":
+            raise ConfigError(f"system={self.system!r} times the exchanges of split-transport='message' only "
+                              "(over the stream a node's work is not reported per exchange): set "
+                              "split-transport='message', or system='none'")
 
 
 class ByteMeter:
@@ -142,6 +153,12 @@ class RoundHost(Protocol):
     def drop(self, node: int, why: str) -> None: ...
 
     def base_content(self, server_round: int, action: str = "train", **config: Any) -> RecordDict: ...
+
+    clock: Any                  # the simulated system's clock (tasks.system.RoundClock) or None
+
+    def clock_stage(self) -> Any: ...   # a context: one stage of the clock (an exchange)
+
+    def node_key(self, node: int) -> int: ...   # the node's stable key for the system's draws
 
 
 _EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)): ?(.*)$")

@@ -66,7 +66,13 @@ from flwr.serverapp import Grid
 
 from tasks.aggregate import weighted_mean
 
-from .cut import bottom_state, feature_shape, load_bottom_state, resolve_cut, split_model
+from .cut import (
+    bottom_state,
+    feature_shape,
+    load_bottom_state,
+    resolve_cut,
+    split_model,
+)
 from .rounds import NodeDirectory, array_bytes
 from .transport import TRANSPORTS, Envelope, FlowerTransport, Transport
 from .validation import SplitValidationError, TensorSpec, check_streams
@@ -164,22 +170,30 @@ class SplitRuntime:
         """``transport.exchange`` with the split round's one byte count: every payload that
         crosses, by kind and direction, on either transport (messages or the stream), whether
         or not the server keeps it afterwards (a reply that fails validation was still sent)."""
-        for env in out.values():
-            self.count_payload(op, env, "down")
-        replies = transport.exchange(server_round, op, out)
-        for env in replies.values():
-            self.count_payload(op, env, "up")
+        with self.clock_stage():   # one stage of the simulated clock, if any (strategies.base)
+            for node, env in out.items():
+                self.count_payload(op, env, "down", node)
+            replies = transport.exchange(server_round, op, out)
+            for node, env in replies.items():
+                self.count_payload(op, env, "up", node)
         return replies
 
-    def count_payload(self, op: str, env: Envelope, direction: str) -> None:
+    def count_payload(self, op: str, env: Envelope, direction: str, node: int | None = None) -> None:
         """Bytes of one envelope: its state dicts (``bottom``: ``weights``, other parts: their
         :meth:`extra_kind`) and its tensors (:meth:`stream_kind`; ``split-info``'s label
-        histogram: ``histogram``)."""
+        histogram: ``histogram``); with a simulated clock, also ``node``'s bytes of the stage."""
+        total = 0
         for name, sd in env.arrays.items():
-            self.meter.add("weights" if name == "bottom" else self.extra_kind(name), direction, array_bytes(sd))
+            n = array_bytes(sd)
+            self.meter.add("weights" if name == "bottom" else self.extra_kind(name), direction, n)
+            total += n
         for name, t in env.tensors.items():
             kind = "histogram" if op == "split-info" else self.stream_kind(name, direction)
-            self.meter.add(kind, direction, array_bytes(t))
+            n = array_bytes(t)
+            self.meter.add(kind, direction, n)
+            total += n
+        if self.clock is not None and node is not None:
+            self.clock.add_bytes(self.node_key(node), direction, total)
 
     def stream_specs(self, node: int) -> dict[str, TensorSpec]:
         b = int(self.round_batch[node])

@@ -21,6 +21,7 @@ the round itself has another shape (server-only training). Split algorithms subc
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import uuid
@@ -38,21 +39,31 @@ from split_layer.records import (
     ALGO_KEY,
     ARRAYS_KEY,
     CONFIG_KEY,
+    COUNT_WORK_KEY,
     EVAL_ACTIONS,
     INFO_ACTIONS,
     METRICS_KEY,
     NODE_INFO,
     TASK_KEY,
+    WORK_KEY,
     model_to_record,
     query,
     record_to_numpy,
     task_record,
 )
-from split_layer.rounds import ByteMeter, NodeDirectory, RoundPolicy, _metric_safe, describe_error
+from split_layer.rounds import (
+    ByteMeter,
+    NodeDirectory,
+    RoundPolicy,
+    _metric_safe,
+    array_bytes,
+    describe_error,
+)
 from split_layer.runtime import SplitRuntime
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
 from tasks.env import Env, NodeData, library_env, user_env
+from tasks.system import RoundClock, load_system
 from tasks.training import derive_seed, evaluate, load_numpy_state
 
 __all__ = ["BaseStrategy", "SplitStrategy", "RoundPolicy"]
@@ -157,6 +168,8 @@ class BaseStrategy(Strategy):
         self.num_rounds = 0                        # start()'s num_rounds: the horizon of schedules
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
         self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
+        self.clock: RoundClock | None = None       # the simulated system's clock (policy.system; start())
+        self._sim_total = 0.0                      # simulated seconds of the rounds before a resume
         if self.user is not None:
             # the user's model and data are all there is to check: every setup error (missing
             # labeled_data, a model the algorithm cannot use, bad images) is raised here, in the
@@ -214,6 +227,8 @@ class BaseStrategy(Strategy):
         nodes = self.connected_nodes(grid)
         k = self.sample_size(len(nodes))
         if k == len(nodes):
+            if self.clock is not None:   # the system's draws are keyed by partition id (tasks.system)
+                self.learn_partitions(grid, nodes, server_round=server_round)
             return nodes
         self.learn_partitions(grid, nodes, server_round=server_round)
         part = self.directory.partitions()
@@ -279,6 +294,8 @@ class BaseStrategy(Strategy):
                 else self.train_config)
         cfg = {**user, "server-round": server_round, "algo": self.algo, "state-key": self.state_key,
                "state-session": self.session, **config}
+        if self.clock is not None:   # nodes count their FLOPs and steps (tasks.system.count_work)
+            cfg[COUNT_WORK_KEY] = True
         if self.env is not None:
             cfg.setdefault("num-classes", self.env.num_classes)
         return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
@@ -298,6 +315,20 @@ class BaseStrategy(Strategy):
         timeout = self.policy.round_timeout if timeout is None else timeout
         if not messages:
             return []
+        with self.clock_stage():
+            return self._exchange(grid, messages, timeout, poll)
+
+    def clock_stage(self):
+        """One stage of the simulated clock (a no-op context without one): an exchange."""
+        return self.clock.stage() if self.clock is not None else contextlib.nullcontext()
+
+    def node_key(self, node: int) -> int:
+        """The node's stable key for the simulated system's draws: its partition id where known
+        (simulated node ids are random), else its node id."""
+        entry = self.directory.get(node) if node in self.directory else None
+        return int(entry["partition"]) if entry is not None else int(node)
+
+    def _exchange(self, grid: Grid, messages: list[Message], timeout: float, poll: float) -> list[Message]:
         by_id = {}
         for mid, m in zip(grid.push_messages(messages), messages):
             by_id[mid] = m.metadata.dst_node_id
@@ -314,22 +345,36 @@ class BaseStrategy(Strategy):
                     self.drop(by_id[rid], f"error {r.error.code}: {describe_error(r.error.reason or '')}")
                 else:
                     self.count_bytes(r, "up")
+                    self.note_work(r)
                     out.append(r)
             if pending:
                 time.sleep(poll)
         for rid in pending:
             self.drop(by_id[rid], f"no reply within {timeout:.0f} s")
+            if self.clock is not None:
+                self.clock.missing(self.node_key(by_id[rid]))
         return out
+
+    def note_work(self, reply: Message) -> None:
+        """The simulated clock's share of a reply: the work its node counted (``work`` record)."""
+        if self.clock is None or WORK_KEY not in reply.content.metric_records:
+            return
+        w = reply.content.metric_records[WORK_KEY]
+        self.clock.add_work(self.node_key(reply.metadata.src_node_id), float(w.get("flops", 0.0)),
+                            float(w.get("steps", 0.0)))
 
     def count_bytes(self, msg: Message, direction: str) -> None:
         """The one place a message's model weights are counted (by :meth:`exchange`, as the
         message leaves or its reply arrives), by :meth:`record_kind` and direction. A split
         round's payloads are counted where they cross too, by the split runtime
         (:meth:`split_layer.runtime.SplitRuntime.exchange_payloads`)."""
+        node = msg.metadata.dst_node_id if direction == "down" else msg.metadata.src_node_id
         for key, rec in msg.content.array_records.items():
             kind = self.record_kind(key, msg, direction)
             if kind is not None:
                 self.meter.add_record(kind, direction, rec)
+                if self.clock is not None:
+                    self.clock.add_bytes(self.node_key(node), direction, array_bytes(rec))
 
     def record_kind(self, key: str, msg: Message, direction: str) -> str | None:
         """The byte kind of array record ``key`` of ``msg`` (``None``: not counted here). Default:
@@ -468,6 +513,7 @@ class BaseStrategy(Strategy):
         so no RNG state is kept)."""
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                 "state-key": self.state_key, "initial-given": self.initial_given,
+                "sim-seconds-total": self.clock.total if self.clock is not None else self._sim_total,
                 "extra": self.extra_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -476,6 +522,9 @@ class BaseStrategy(Strategy):
         self.model.load_state_dict(state["model"])
         self.state_key = str(state.get("state-key", self.state_key))
         self.initial_given = bool(state.get("initial-given", False))
+        self._sim_total = float(state.get("sim-seconds-total", 0.0))
+        if self.clock is not None:
+            self.clock.total = self._sim_total
         self.load_extra_state(state.get("extra", {}))
 
     def extra_state(self) -> dict[str, Any]:
@@ -509,6 +558,11 @@ class BaseStrategy(Strategy):
         self.session = uuid.uuid4().hex
         self.num_rounds = int(num_rounds)
         self.setup(grid)
+        system = load_system(self.policy.system)
+        self.policy.validate()
+        self.clock = None if system is None else RoundClock(system, self.task.seed, self.policy.round_timeout)
+        if self.clock is not None:
+            self.clock.total = self._sim_total
         self.begin_run()
         if initial_arrays is not None and start_round == 1:
             self.load_initial_arrays(initial_arrays)
@@ -528,7 +582,13 @@ class BaseStrategy(Strategy):
         for rnd in range(start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
-            metrics = self.run_round(rnd, grid)
+            if self.clock is None:
+                metrics = self.run_round(rnd, grid)
+            else:
+                self.clock.begin_round(rnd)
+                with self.clock.server_work():
+                    metrics = self.run_round(rnd, grid)
+                metrics.update(self.clock.end_round())
             metrics.update(self.meter.flush())
             metrics["dropped"] = sorted(set(self.dropped))
             ev = server_eval(rnd)

@@ -163,6 +163,7 @@ class AlgorithmSpec:
             EVAL_ACTIONS,
             INFO_ACTIONS,
             NODE_INFO,
+            WORK_KEY,
             action_of,
             node_info,
             withhold_label_metrics,
@@ -177,8 +178,19 @@ class AlgorithmSpec:
         if handler is None:
             raise ValueError(f"algorithm '{self.name}' has no client handler for action '{action}'; it has: "
                              f"{', '.join(sorted(self.client)) or 'none'}")
-        reply = node_state.handle(handler, msg, context, self.node_state,
-                                  persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+        if _counts_work(msg):   # a simulated system is chosen: count this message's FLOPs and steps
+            from flwr.app import MetricRecord
+
+            from tasks.system import count_work
+
+            with count_work() as work:
+                reply = node_state.handle(handler, msg, context, self.node_state,
+                                          persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+            if not reply.has_error():
+                reply.content[WORK_KEY] = MetricRecord({"flops": work.flops, "steps": work.steps})
+        else:
+            reply = node_state.handle(handler, msg, context, self.node_state,
+                                      persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
         return withhold_label_metrics(reply, self.label_metrics, context)
 
     @property
@@ -245,6 +257,14 @@ class AlgorithmSpec:
                 advice = ": drop the key" + (f", or choose algo {' / '.join(repr(n) for n in other)}" if other else "")
             raise ConfigError(f"{key}={show(value)} contradicts algo={self.name!r}, which fixes {key}={show(fixed)} "
                               f"({self.description or 'a variant'}){advice}")
+
+
+def _counts_work(msg: Message) -> bool:
+    """Whether the server asked this message's work counted (``count-work`` in its config)."""
+    from split_layer.records import CONFIG_KEY, COUNT_WORK_KEY
+
+    rec = msg.content.config_records.get(CONFIG_KEY)
+    return bool(rec is not None and rec.get(COUNT_WORK_KEY, False))
 
 
 def _show(v: Any) -> str:
