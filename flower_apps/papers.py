@@ -296,11 +296,30 @@ PAPERS: dict[str, Paper] = {
 }
 
 
-def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None = None) -> tuple[dict, set[str]]:
-    """The fused run config of one (row, seed) and the keys set for it (the 'user' keys)."""
+def parse_sets(items: list[str] | None) -> dict[str, Any]:
+    """``--set key=value`` pairs: the value read as TOML (``2``, ``0.5``, ``true``, ``'x'``), else as
+    a string (``system=semisfl``)."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r} is not key=value")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None = None,
+               sets: dict[str, Any] | None = None) -> tuple[dict, set[str]]:
+    """The fused run config of one (row, seed) and the keys set for it (the 'user' keys);
+    ``sets``: keys set for every row (``--set``), over the paper's base, under the row's own."""
     from flower_apps.simulate import fused_run_config
 
-    over = {**paper.base, **row.overrides, "seed": seed, "run-name": f"{row.name}-s{seed}",
+    over = {**paper.base, **(sets or {}), **row.overrides, "seed": seed, "run-name": f"{row.name}-s{seed}",
             "results-dir": str(out)}
     if rounds is not None:
         over["num-rounds"] = rounds
@@ -333,7 +352,8 @@ def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path
 
 
 def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",
-              rows: list[str] | None = None, rounds: int | None = None, log=print) -> Path:
+              rows: list[str] | None = None, rounds: int | None = None, log=print,
+              sets: dict[str, Any] | None = None, target: float | None = None) -> Path:
     """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``."""
     paper = PAPERS[name]
     out = Path(out or Path("results") / "papers" / name).resolve()
@@ -343,7 +363,7 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
     t_all = time.time()
     for row in chosen:
         for seed in seeds:
-            cfg, explicit = row_config(paper, row, seed, out, rounds)
+            cfg, explicit = row_config(paper, row, seed, out, rounds, sets)
             folder = out / cfg["run-name"]
             done = _done_rounds(folder)
             if done >= cfg["num-rounds"]:
@@ -356,22 +376,26 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
             log(f"[{name}] {folder.name}: {'resuming after round ' + str(done) if done else 'running'}")
             run_one(cfg, explicit, paper.supernodes, engine)
             log(f"[{name}] {folder.name}: {time.time() - t0:.0f} s")
-    write_report(paper, out, [r.name for r in chosen], seeds)
+    write_report(paper, out, [r.name for r in chosen], seeds, target)
     log(f"[{name}] report: {out / 'report.md'} ({time.time() - t_all:.0f} s)")
     return out
 
 
-def write_report(paper: Paper, out: Path, rows: list[str], seeds) -> str:
-    from flower_apps.report import plot_seed_groups, read_run, seed_groups, seed_table
+def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None) -> str:
+    from flower_apps.report import plot_seed_groups, plot_cost, read_run, seed_groups, seed_table, target_table
 
     runs = [read_run(out / f"{r}-s{s}") for r in rows for s in seeds if (out / f"{r}-s{s}" / "metrics.jsonl").exists()]
     groups = seed_groups(runs)
     table = seed_table(groups)
     notes = "\n".join(f"* `{r.name}`: {r.note}" for r in paper.rows if r.name in rows and r.note)
+    if target is not None:   # time (simulated, where a system was chosen) and bytes to the target
+        table += "\n" + target_table(groups, target)
     text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
     plot_seed_groups(groups, out / "report.png", title=paper.title)
+    if any(r.has_sim for r in runs):
+        plot_cost(groups, out / "report-cost.png", title=paper.title, target=target)
     print(text)
     return text
 
@@ -385,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("inprocess", "simulation"), default="inprocess")
     ap.add_argument("--out", default=None, help="results folder (default: results/papers/<paper>)")
     ap.add_argument("--rounds", type=int, default=None, help="override num-rounds (quick looks)")
+    ap.add_argument("--set", nargs="+", default=None, metavar="KEY=VALUE",
+                    help="run-config keys for every row, over the paper's base (a row's own keys win): "
+                         "e.g. --set system=semisfl model=alexnet cut=conv5")
+    ap.add_argument("--target", type=float, default=None,
+                    help="also tabulate the time (simulated where a system is set) and bytes to this accuracy")
     ap.add_argument("--list", action="store_true",
                     help="print the paper's tables (each method and the rows that rerun it), rows and settings")
     args = ap.parse_args(argv)
@@ -400,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import ConfigError
 
     try:
-        run_paper(args.paper, args.seeds, Path(args.out) if args.out else None, args.engine, args.rows, args.rounds)
-    except ConfigError as e:
+        run_paper(args.paper, args.seeds, Path(args.out) if args.out else None, args.engine, args.rows, args.rounds,
+                  sets=parse_sets(args.set), target=args.target)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -67,6 +67,26 @@ class Run:
             out.append(total)
         return out
 
+    @property
+    def has_sim(self) -> bool:
+        """The run was timed by a simulated system (``system``: ``sim-seconds-total`` per round)."""
+        return any("sim-seconds-total" in r for r in self.rows)
+
+    def clock(self) -> list[float]:
+        """Per row of :attr:`rows`: seconds since the start, simulated where the run was timed by a
+        system (``sim-seconds-total``), else the real wall time (``wall-seconds``)."""
+        key = "sim-seconds-total" if self.has_sim else "wall-seconds"
+        return [float(r.get(key, math.nan)) for r in self.rows]
+
+    def to_target(self, target: float, metric: str = "accuracy") -> dict[str, float] | None:
+        """The first round whose ``metric`` reaches ``target``: its round, the time to it
+        (:meth:`clock`) and the bytes exchanged until then; ``None`` where it never does."""
+        for row, t, b in zip(self.rows, self.clock(), self.cumulative_bytes()):
+            v = row.get(metric)
+            if isinstance(v, (int, float)) and v >= target:
+                return {"round": float(row["round"]), "seconds": t, "bytes": b}
+        return None
+
     def summary(self, metric: str = "accuracy") -> dict[str, Any]:
         s = self.series(metric)
         best_round, best = max(s, key=lambda t: t[1]) if s else (None, math.nan)
@@ -277,6 +297,72 @@ def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5)
     return "\n".join(lines) + "\n"
 
 
+def target_table(groups: list[SeedGroup], target: float, metric: str = "accuracy") -> str:
+    """Time and bytes to ``target`` per experiment: how many seeds reach it, and over those the
+    mean ± std of the round, the time (simulated minutes where the runs were timed by a system,
+    else wall seconds) and the MB exchanged; the speed-up column divides the slowest row's mean
+    time by each row's."""
+    sim = any(r.has_sim for g in groups for r in g.runs)
+    unit, scale = ("simulated min", 60.0) if sim else ("wall s", 1.0)
+    stats = []
+    for g in groups:
+        hits = [h for h in (r.to_target(target, metric) for r in g.runs) if h is not None]
+        stats.append((g, hits, _mean_std([h["seconds"] / scale for h in hits])))
+    slowest = max((ms[0] for _, _, ms in stats if not math.isnan(ms[0])), default=math.nan)
+    head = ["row", "algo", f"seeds reaching {metric} {target:g}", "round", f"time ({unit})",
+            "MB exchanged", "speed-up vs slowest"]
+    lines = [f"Time and bytes to {metric} >= {target:g}" + (" (simulated system: "
+             + ", ".join(sorted({str(r.config.get('system', '?')) for g in groups for r in g.runs})) + ")"
+             if sim else " (wall time)") + ":\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g, hits, t in stats:
+        rnd = _mean_std([h["round"] for h in hits])
+        mb = _mean_std([h["bytes"] / 1e6 for h in hits])
+        speed = "n/a" if math.isnan(t[0]) or not t[0] > 0 else f"{slowest / t[0]:.2f}x"
+        lines.append("| " + " | ".join([g.label, str(g.config.get("algo", "?")), f"{len(hits)}/{len(g.runs)}",
+                                        _pm(rnd, 1), _pm(t, 2), _pm(mb, 1), speed]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mean_cost_curve(g: SeedGroup, metric: str = "accuracy") -> tuple[list[float], list[float], list[float]]:
+    """Per round all seeds reached: mean time (:meth:`Run.clock`), mean cumulative MB and mean ``metric``."""
+    per = []
+    for r in g.runs:
+        acc = dict(r.series(metric))
+        rounds = [int(x["round"]) for x in r.rows]
+        per.append({k: (t, b / 1e6, acc[k]) for k, t, b in zip(rounds, r.clock(), r.cumulative_bytes())
+                    if k in acc})
+    per = [p for p in per if p]
+    if not per:
+        return [], [], []
+    common = sorted(set.intersection(*(set(p) for p in per)))
+    mean = [tuple(sum(p[k][i] for p in per) / len(per) for i in range(3)) for k in common]
+    return [m[0] for m in mean], [m[1] for m in mean], [m[2] for m in mean]
+
+
+def plot_cost(groups: list[SeedGroup], out: Path, metric: str = "accuracy", title: str = "",
+              target: float | None = None) -> Path:
+    """Mean ``metric`` (over seeds) against time (simulated minutes where the runs were timed by a
+    system, else wall seconds) and against cumulative MB exchanged; ``target`` as a line."""
+    sim = any(r.has_sim for g in groups for r in g.runs)
+    scale = 60.0 if sim else 1.0
+    fig, (a1, a2) = _pyplot().subplots(1, 2, figsize=(11, 4))
+    for g in groups:
+        t, mb, acc = mean_cost_curve(g, metric)
+        if not t:
+            continue
+        a1.plot([x / scale for x in t], acc, marker=".", label=f"{g.label} (n={len(g.runs)})")
+        a2.plot(mb, acc, marker=".", label=g.label)
+    for ax in (a1, a2):
+        if target is not None:
+            ax.axhline(target, color="grey", ls="--", lw=0.8)
+        ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
+    a1.set_xlabel("simulated minutes" if sim else "wall seconds")
+    a2.set_xlabel("cumulative MB exchanged")
+    a1.legend(fontsize=8)
+    fig.suptitle(title or f"{metric} against time and bytes")
+    return _save(fig, out)
+
+
 def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy", title: str = "") -> Path:
     """Mean curve per experiment with a ±1 std band over its seeds."""
     fig, ax = _pyplot().subplots(figsize=(7, 4.2))
@@ -338,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default="", help="figure title")
     ap.add_argument("--by-seed", action="store_true",
                     help="one row per experiment: runs that differ only in seed become mean ± std")
+    ap.add_argument("--target", type=float, default=None,
+                    help="add the time (simulated where the runs chose a system) and bytes to this accuracy, "
+                         "and a figure of accuracy against time and bytes (<figure>-cost.png)")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.runs)
@@ -346,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     groups = seed_groups(runs) if args.by_seed else None
     table = seed_table(groups, args.metric) if groups else markdown_table(runs, args.metric)
+    cost_groups = groups or [SeedGroup(r.name, [r]) for r in runs]
+    if args.target is not None:
+        table += "\n" + target_table(cost_groups, args.target, args.metric)
     print(table, end="")
     if args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -355,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             plot_seed_groups(groups, Path(args.figure), args.metric, args.title)
         else:
             plot(runs, Path(args.figure), args.metric, args.title)
+        if args.target is not None or any(r.has_sim for r in runs):
+            fig = Path(args.figure)
+            plot_cost(cost_groups, fig.with_name(fig.stem + "-cost" + fig.suffix), args.metric, args.title,
+                      args.target)
     return 0
 
 

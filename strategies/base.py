@@ -616,5 +616,6 @@ def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_roun
     extra = f" | dropped {metrics['dropped']}" if metrics.get("dropped") else ""
     if metrics.get("skipped"):
         extra += " | SKIPPED"
+    sim = f" | sim {metrics['sim-seconds-total']:.1f}s" if "sim-seconds-total" in metrics else ""
     return (f"round {rnd}/{total} | acc {acc:.4f} | loss {loss:.4f} | "
-            f"{metrics.get('round-seconds', 0.0):.1f}s | ETA {eta:.0f}s{extra}")
+            f"{metrics.get('round-seconds', 0.0):.1f}s{sim} | ETA {eta:.0f}s{extra}")

@@ -47,6 +47,52 @@ __all__ = ["Dist", "Compute", "RangeLink", "CellLink", "SystemModel", "RoundCloc
 
 SYSTEM_CHOICES = "none, semisfl, scala, or the path of a .toml file (docs/config.md)"
 
+SYSTEM_DOC = """## The simulated system (`system`)
+
+`system='none'` (default) records real wall time only. A preset or a TOML file adds a simulated
+clock: every node counts the FLOPs (torch's `FlopCounterMode`) and optimizer steps of each
+message it answers, the server counts its own training FLOPs between exchanges, and each round's
+`metrics.jsonl` line gets `sim-seconds` (the round), `sim-seconds-total` (the run, kept across a
+resume), `sim-server-seconds`, `sim-client-flops`, `sim-server-flops` and `sim-stages`, beside
+`wall-seconds`. A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
+up rate`, the stage ending with its slowest node (a node that never replies holds it until
+`round-timeout`); the server's work runs between stages. Training is unchanged (the conformance
+matrix checks every algorithm's weights with and without a clock). `split-transport='stream'` is
+not timed (its per-exchange work is not reported): a `ConfigError` says so.
+
+| preset | nodes compute | links | server |
+|---|---|---|---|
+| `semisfl` | Semi-SFL Sec. V-A: half Jetson Xavier NX, half AGX; FLOP/s Gaussian per node and round, N(0.21, 0.04) and N(0.35, 0.07) TFLOP/s [ours: 25% of the FP32 peaks] | node to server 2-8 Mbit/s, server to node 10-20 Mbit/s, uniform per node and round | 8.9 TFLOP/s [ours: 25% of an RTX 3090] |
+| `scala` | SCALA Sec. VI: uniform in [1e9, 5e9] FLOP/s per node | 1000 m cell, nodes uniform over its area, path loss 128.1 + 37.6 log10(r_km) dB, 0.2 W, 10 MHz orthogonal uplink shared by the stage's transmitters, -174 dBm/Hz; Shannon rate; downlink the same rate [ours] | 10 TFLOP/s [ours] |
+
+A user's own system, `--run-config "system='/path/fleet.toml'"`:
+
+```toml
+description = "phones and a gateway"
+[compute]
+unit = "flops"                      # or "iteration-seconds": a time per local iteration (optimizer step)
+[[compute.devices]]                 # device classes; a node's class is drawn once, by its partition id
+name = "old-phone"
+share = 1
+rate = {kind = "gaussian", mean = 2e9, std = 2e8, per = "round"}
+[[compute.devices]]
+name = "new-phone"
+share = 3
+rate = [4e9, 6e9]                   # uniform (per node for FLOP/s unless per = "round")
+[link]
+kind = "range"                      # or "cell" with radius-m, path-loss-a, path-loss-b, tx-power-w,
+up-mbps = [1, 3]                    #   bandwidth-hz, noise-dbm-hz, share (SCALA's values by default)
+down-mbps = 20                      # a number is fixed
+[server]
+flops = 5e12
+```
+
+A single class is `rate = ...` directly under `[compute]`. Every draw is seeded by the run seed,
+the node's partition id and (for what fluctuates) the round. Compare runs by time and bytes to a
+target: `python -m flower_apps.report <run folders> --by-seed --target 0.95` (a table, and
+`report-cost.png`: accuracy against simulated minutes and against MB).
+"""
+
 
 # --------------------------------------------------------------------------- distributions
 @dataclass(frozen=True)
@@ -486,3 +532,49 @@ class RoundClock:
                "sim-server-flops": self._server_flops, "sim-stages": float(len(stages))}
         self.round, self._stages, self._depth = None, [], 0
         return out
+
+
+# --------------------------------------------------------------------------- a model's cost
+def module_flops(module: torch.nn.Module, x: torch.Tensor, train: bool = False) -> tuple[float, torch.Tensor]:
+    """FLOPs of one pass of ``module`` on ``x`` (torch's counter): forward only, or with
+    ``train`` forward + backward (the gradient of the parameters and of ``x`` where it needs
+    one). Returns ``(flops, output)``; the module's BatchNorm statistics are left as they were."""
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    counter = flop_counter()
+    try:
+        with counter:
+            if train:
+                out = module(x)
+                out.float().sum().backward()
+            else:
+                with torch.no_grad():
+                    out = module(x)
+    finally:
+        module.load_state_dict(state)
+        module.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops()), out.detach()
+
+
+def split_cost(model: torch.nn.Module, cut: Any, input_shape: tuple[int, ...], batch: int,
+               iterations: int, label_bytes: int = 8) -> dict[str, float]:
+    """What one node of a split round moves and computes, counted from the model itself: per
+    iteration, the activations it uploads (``batch`` samples of the cut's output, float32), the
+    labels and the gradients it downloads; per round, the bottom's weights down and up (BatchNorm
+    buffers included) over ``iterations`` iterations; the bottom's and the full model's FLOPs per
+    iteration, forward only and forward + backward. Bytes as :func:`split_layer.rounds.array_bytes`
+    counts them (elements x item size)."""
+    from split_layer.cut import split_model
+
+    bottom, top = split_model(model, cut)
+    x = torch.randn(batch, *input_shape)
+    bf, act = module_flops(bottom, x)
+    bt, _ = module_flops(bottom, x, train=True)
+    ff, _ = module_flops(model, x)
+    ft, _ = module_flops(model, x, train=True)
+    act_bytes = act.numel() * 4
+    w_c = sum(v.numel() * v.element_size() for v in bottom.state_dict().values())
+    w = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    return {"activation-bytes": float(act_bytes), "gradient-bytes": float(act_bytes),
+            "label-bytes": float(batch * label_bytes), "bottom-bytes": float(w_c), "model-bytes": float(w),
+            "bottom-forward-flops": bf, "bottom-train-flops": bt, "model-forward-flops": ff,
+            "model-train-flops": ft, "iterations": float(iterations), "batch": float(batch)}

@@ -19,7 +19,9 @@ the day it is registered) for one or two tiny rounds through the in-process grid
 * ``resume`` -- round 1, checkpoint (``state_dict``), a new strategy and restarted nodes
   (fresh contexts, same ``state-dir``), round 2: the same final weights as the uninterrupted run;
 * ``accelerator`` -- the server and the nodes believe they run on an accelerator
-  (``tests/accel_emulation.py``): any CPU tensor fed to a device tensor raises, as on CUDA.
+  (``tests/accel_emulation.py``): any CPU tensor fed to a device tensor raises, as on CUDA;
+* ``system-clock`` -- ``system='scala'``: every round has a simulated duration from the counted
+  work and bytes, and the trained weights equal those of the run without a clock.
 """
 from __future__ import annotations
 
@@ -64,12 +66,12 @@ def config(algo: str, **over) -> dict:
     return {**fused_run_config(None), **TINY, "algo": algo, **over}
 
 
-def build(algo: str, *, fraction: float = 1.0, nodes: int = NODES, grid_kw=None, **over):
+def build(algo: str, *, fraction: float = 1.0, nodes: int = NODES, grid_kw=None, system: str = "none", **over):
     cfg = config(algo, **over)
     p = parse_run_config(cfg)
     grid = LocalGrid(nodes, dispatch, run_config=cfg, **(grid_kw or {}))
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name,
-                            RoundPolicy(fraction_train=fraction, min_nodes=2, round_timeout=60))
+                            RoundPolicy(fraction_train=fraction, min_nodes=2, round_timeout=60, system=system))
     return s, grid
 
 
@@ -295,6 +297,27 @@ def test_conformance_accelerator_placement(algo, monkeypatch):
         res, rows = run(s, grid, rounds=1)
     assert mode.violations == []
     assert rows[0].get("skipped", 0) == 0 and rows[0]["dropped"] == [], rows[0]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_conformance_system_clock(algo):
+    """``system='scala'``: every round has a simulated duration from the work the nodes and the
+    server counted and the bytes they moved, and counting changes nothing that is trained."""
+    plain, grid = build(algo)
+    res_plain, _ = run(plain, grid, rounds=1)
+    s, grid = build(algo, system="scala")
+    res, rows = run(s, grid, rounds=1)
+    row = rows[0]
+    assert row.get("skipped", 0) == 0 and row["dropped"] == [], row
+    assert row["sim-seconds"] > 0 and row["sim-seconds-total"] == row["sim-seconds"]
+    if s.uses_clients:
+        assert row["sim-client-flops"] > 0 and row["sim-stages"] >= 1
+    else:   # a server-only baseline: its time is its own training
+        assert row["sim-server-flops"] > 0 and row["sim-seconds"] == pytest.approx(row["sim-server-seconds"])
+    got, want = state_of(res.arrays), state_of(res_plain.arrays)
+    assert got.keys() == want.keys()
+    for k in want:   # (under the FLOP counter an op without a FLOP formula may run decomposed: the last bit)
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 def test_accelerator_emulation_catches_what_cuda_rejects():

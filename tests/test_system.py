@@ -280,3 +280,31 @@ def test_the_clock_changes_nothing_that_is_trained_and_survives_a_resume(tmp_pat
     rows = _run(tmp_path / "c", "fedavg", "semisfl", rounds=2, resume=True)
     assert RunFolder(folder).last_checkpoint_round() == 2
     assert rows[1]["sim-seconds-total"] == pytest.approx(timed[1]["sim-seconds-total"])
+
+
+def test_scala_table5_from_the_model_matches_the_papers_columns():
+    from flower_apps.cost import PAPER_TABLE5, scala_table5
+    from tasks.models import build_model
+    from tasks.system import split_cost
+
+    c = split_cost(build_model("alexnet", in_channels=3, num_classes=10, image_size=32), "conv2", (3, 32, 32), 32, 1)
+    assert c["activation-bytes"] == 32 * 64 * 8 * 8 * 4                  # 0.5 MiB per iteration
+    assert c["bottom-forward-flops"] == 32 * 2 * (32 * 32 * 32 * 3 * 9 + 16 * 16 * 64 * 32 * 9)   # conv MACs x 2
+    for iters, (mb, gflops, fl) in PAPER_TABLE5.items():
+        assert (c["activation-bytes"] * iters + c["bottom-bytes"]) / 2 ** 20 == pytest.approx(mb, rel=0.003)
+        assert c["bottom-forward-flops"] * iters / 1e9 == pytest.approx(gflops, rel=0.003)
+        # full model: our reconstruction has 3.21M parameters against the paper's about 3.7M
+        assert c["model-forward-flops"] * iters / 1e9 == pytest.approx(fl, rel=0.015)
+    assert "| 10 | 5.07 | 5.08 |" in scala_table5()
+
+
+def test_the_documented_toml_example_loads(tmp_path):
+    import re
+
+    from tasks.system import SYSTEM_DOC
+
+    (block,) = re.findall(r"```toml\n(.*?)```", SYSTEM_DOC, re.S)
+    f = tmp_path / "fleet.toml"
+    f.write_text(block)
+    s = load_system(str(f))
+    assert s.compute.names == ("old-phone", "new-phone") and s.server_flops == 5e12
