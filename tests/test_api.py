@@ -293,6 +293,33 @@ class _UserNet(nn.Module):
         return self.classifier(self.features(x))
 
 
+def test_an_embedded_strategy_times_its_rounds_on_a_simulated_system(tmp_path):
+    """``system=`` on a user's strategy: the user's clients count their work (``XClient`` does it),
+    the progress line and every round's metrics show the simulated time."""
+    import logging
+
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text("[compute]\nrate = 1e9\n[link]\nup-mbps = 1\ndown-mbps = 10\n")
+    client = FedAvgClient(_Tiny(), lambda ctx: {"labeled": _sets(int(ctx.node_config["partition-id"]))})
+    s = FedAvgStrategy(model=_Tiny(), test_data=_sets(9), local_steps=2, batch_size=8, system=str(fleet))
+    rows: list[dict] = []
+    logger = logging.getLogger("flwr")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: seen.append(rec.getMessage())
+    logger.addHandler(handler)
+    try:
+        res = s.start(LocalGrid(2, client.handle), num_rounds=2, on_round_end=lambda r, m: rows.append(m))
+    finally:
+        logger.removeHandler(handler)
+    assert all(r["sim-client-flops"] > 0 and r["sim-seconds"] > 0 for r in rows)
+    assert rows[1]["sim-seconds-total"] == pytest.approx(rows[0]["sim-seconds"] + rows[1]["sim-seconds"])
+    assert res.train_metrics_clientapp[2]["sim-seconds-total"] == pytest.approx(rows[1]["sim-seconds-total"])
+    assert any(" | sim " in line for line in seen if line.startswith("round 2/2"))
+
+
 def _full_model_algorithms() -> list[str]:
     from strategies.registry import algorithm_names, get_algorithm
 
