@@ -4,6 +4,7 @@
     python -m flower_apps.papers fedshvr --seeds 0 1 2 3 4
     python -m flower_apps.papers scala --rows scala splitfed-v2 --engine simulation
     python -m flower_apps.papers scala --list             # its tables, each method's rows, settings
+    python -m flower_apps.papers semisfl --set system=semisfl --target 0.95   # time and bytes to 95%
 
 Each paper's comparison (:data:`PAPERS`) is a set of rows (an ``algo`` and its keys) on a
 shared base config at the paper's own hyperparameters (optimizer, learning rate, schedule,
@@ -19,6 +20,11 @@ messages, handlers and results as Flower's simulation engine, one node after ano
 without Ray's worker start-up and serialisation (what a 2-core machine can afford for a
 sweep of dozens of runs); ``simulation`` runs each row through Flower's simulation engine
 (:func:`flower_apps.simulate.run_simulation_inprocess`).
+
+``--set key=value ...`` sets run-config keys for every row (over the paper's base; a row's own
+keys win), e.g. a simulated system (``system=semisfl``) or another model; ``--target`` adds the
+time (simulated where a system is set) and bytes to that accuracy to the report, and
+``report-cost.png`` plots accuracy against time and bytes.
 
 The sweep is restartable: a finished run folder is kept and skipped, a partial one is
 resumed from its checkpoint (node-side state under ``<out>/.node-state``).
