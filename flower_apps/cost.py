@@ -8,7 +8,7 @@ global iteration, its communication (5.07 / 10.07 / 15.08 MB) and client compute
 7.18 / 10.77 GFLOPs) against 14.76 MB and 44.69 / 89.38 / 134.07 GFLOPs for full-model FL.
 This command counts the same quantities from this library's AlexNet reconstruction
 (:func:`tasks.models.alexnet`, 3x32x32 inputs) with torch's FLOP counter
-(:func:`tasks.system.split_cost`) and prints them beside the paper's, in the paper's
+(:func:`split_layer.cut.cut_cost`) and prints them beside the paper's, in the paper's
 accounting (its MB are MiB; activations up x I + the client model once; FLOPs of the forward
 pass, 2 per multiply-add) and in this library's (every byte both ways: activations and labels
 up, gradients down, the client model down and up; forward + backward FLOPs).
@@ -25,10 +25,10 @@ MIB = 2 ** 20
 
 def scala_table5(batch: int = 32) -> str:
     from tasks.models import build_model
-    from tasks.system import split_cost
+    from split_layer.cut import cut_cost
 
     model = build_model("alexnet", in_channels=3, num_classes=10, image_size=32)
-    c = split_cost(model, "conv2", (3, 32, 32), batch, 1)
+    c = cut_cost(model, "conv2", (3, 32, 32), batch, 1)
     lines = [
         f"SCALA Table V, recomputed: AlexNet (tasks.models.alexnet, {sum(p.numel() for p in model.parameters()):,} "
         f"parameters) cut at conv2, 3x32x32 inputs, B_k = {batch} per client (B = 320 over 10 clients)",

@@ -14,6 +14,10 @@ A part's ``state_dict`` keys are the model's own keys (``"stages.conv1.0.weight"
     load_bottom_state(other_model, payload, "conv2")  # strict: exactly those keys
     bottom.load_state_dict(payload)                   # also works on the part itself
 
+``cut_cost(model, cut, input_shape, batch, iterations)`` counts what a node of a split round
+moves and computes at that cut (activation, gradient, label and bottom bytes; FLOPs of the
+bottom and of the whole model by torch's counter): SCALA's Table V (``python -m flower_apps.cost``).
+
 ``cut=None`` or ``cut=""`` means ``model.default_cut`` (the run config uses ``""``
 for "the paper's default").
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -204,3 +209,29 @@ def load_top_state(model: StagedModel, state: Mapping[str, torch.Tensor], cut: s
                    *, strict: bool = True) -> None:
     """Copy a top ``state`` into ``model`` in place (bottom untouched)."""
     _load(model, state, top_state_keys(model, cut), "top", strict)
+
+
+def cut_cost(model: torch.nn.Module, cut: Any, input_shape: tuple[int, ...], batch: int,
+               iterations: int, label_bytes: int = 8) -> dict[str, float]:
+    """What one node of a split round moves and computes, counted from the model itself: per
+    iteration, the activations it uploads (``batch`` samples of the cut's output, float32), the
+    labels and the gradients it downloads; per round, the bottom's weights down and up (BatchNorm
+    buffers included) over ``iterations`` iterations; the bottom's and the full model's FLOPs per
+    iteration, forward only and forward + backward (torch's FLOP counter,
+    :func:`tasks.system.module_flops`). Bytes as :func:`split_layer.rounds.array_bytes` counts
+    them (elements x item size)."""
+    from tasks.system import module_flops
+
+    bottom, _ = split_model(model, cut)
+    x = torch.randn(batch, *input_shape)
+    bf, act = module_flops(bottom, x)
+    bt, _ = module_flops(bottom, x, train=True)
+    ff, _ = module_flops(model, x)
+    ft, _ = module_flops(model, x, train=True)
+    act_bytes = act.numel() * 4
+    w_c = sum(v.numel() * v.element_size() for v in bottom.state_dict().values())
+    w = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    return {"activation-bytes": float(act_bytes), "gradient-bytes": float(act_bytes),
+            "label-bytes": float(batch * label_bytes), "bottom-bytes": float(w_c), "model-bytes": float(w),
+            "bottom-forward-flops": bf, "bottom-train-flops": bt, "model-forward-flops": ff,
+            "model-train-flops": ft, "iterations": float(iterations), "batch": float(batch)}

@@ -368,12 +368,12 @@ class BaseStrategy(Strategy):
         message leaves or its reply arrives), by :meth:`record_kind` and direction. A split
         round's payloads are counted where they cross too, by the split runtime
         (:meth:`split_layer.runtime.SplitRuntime.exchange_payloads`)."""
-        node = msg.metadata.dst_node_id if direction == "down" else msg.metadata.src_node_id
         for key, rec in msg.content.array_records.items():
             kind = self.record_kind(key, msg, direction)
             if kind is not None:
                 self.meter.add_record(kind, direction, rec)
                 if self.clock is not None:
+                    node = msg.metadata.dst_node_id if direction == "down" else msg.metadata.src_node_id
                     self.clock.add_bytes(self.node_key(node), direction, array_bytes(rec))
 
     def record_kind(self, key: str, msg: Message, direction: str) -> str | None:

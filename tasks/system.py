@@ -554,27 +554,3 @@ def module_flops(module: torch.nn.Module, x: torch.Tensor, train: bool = False) 
         module.zero_grad(set_to_none=True)
     return float(counter.get_total_flops()), out.detach()
 
-
-def split_cost(model: torch.nn.Module, cut: Any, input_shape: tuple[int, ...], batch: int,
-               iterations: int, label_bytes: int = 8) -> dict[str, float]:
-    """What one node of a split round moves and computes, counted from the model itself: per
-    iteration, the activations it uploads (``batch`` samples of the cut's output, float32), the
-    labels and the gradients it downloads; per round, the bottom's weights down and up (BatchNorm
-    buffers included) over ``iterations`` iterations; the bottom's and the full model's FLOPs per
-    iteration, forward only and forward + backward. Bytes as :func:`split_layer.rounds.array_bytes`
-    counts them (elements x item size)."""
-    from split_layer.cut import split_model
-
-    bottom, top = split_model(model, cut)
-    x = torch.randn(batch, *input_shape)
-    bf, act = module_flops(bottom, x)
-    bt, _ = module_flops(bottom, x, train=True)
-    ff, _ = module_flops(model, x)
-    ft, _ = module_flops(model, x, train=True)
-    act_bytes = act.numel() * 4
-    w_c = sum(v.numel() * v.element_size() for v in bottom.state_dict().values())
-    w = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-    return {"activation-bytes": float(act_bytes), "gradient-bytes": float(act_bytes),
-            "label-bytes": float(batch * label_bytes), "bottom-bytes": float(w_c), "model-bytes": float(w),
-            "bottom-forward-flops": bf, "bottom-train-flops": bt, "model-forward-flops": ff,
-            "model-train-flops": ft, "iterations": float(iterations), "batch": float(batch)}

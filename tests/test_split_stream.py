@@ -245,9 +245,13 @@ def test_other_ops_go_through_flower_messages():
 
     class S(Owner):
         exchange = BaseStrategy.exchange
+        _exchange = BaseStrategy._exchange
+        clock_stage = BaseStrategy.clock_stage
+        note_work = BaseStrategy.note_work
         count_bytes = BaseStrategy.count_bytes
         record_kind = BaseStrategy.record_kind
         policy = RoundPolicy(round_timeout=5)
+        clock = None
 
         def __init__(self):
             super().__init__()

@@ -285,9 +285,9 @@ def test_the_clock_changes_nothing_that_is_trained_and_survives_a_resume(tmp_pat
 def test_scala_table5_from_the_model_matches_the_papers_columns():
     from flower_apps.cost import PAPER_TABLE5, scala_table5
     from tasks.models import build_model
-    from tasks.system import split_cost
+    from split_layer.cut import cut_cost
 
-    c = split_cost(build_model("alexnet", in_channels=3, num_classes=10, image_size=32), "conv2", (3, 32, 32), 32, 1)
+    c = cut_cost(build_model("alexnet", in_channels=3, num_classes=10, image_size=32), "conv2", (3, 32, 32), 32, 1)
     assert c["activation-bytes"] == 32 * 64 * 8 * 8 * 4                  # 0.5 MiB per iteration
     assert c["bottom-forward-flops"] == 32 * 2 * (32 * 32 * 32 * 3 * 9 + 16 * 16 * 64 * 32 * 9)   # conv MACs x 2
     for iters, (mb, gflops, fl) in PAPER_TABLE5.items():
