@@ -53,7 +53,8 @@ SYSTEM_DOC = """## The simulated system (`system`)
 clock: every node counts the FLOPs (torch's `FlopCounterMode`) and optimizer steps of each
 message it answers, the server counts its own training FLOPs between exchanges, and each round's
 `metrics.jsonl` line gets `sim-seconds` (the round), `sim-seconds-total` (the run, kept across a
-resume), `sim-server-seconds`, `sim-client-flops`, `sim-server-flops` and `sim-stages`, beside
+resume), `sim-server-seconds`, `sim-node-compute-seconds` (the slowest nodes' compute; the rest of
+the stages is transfers), `sim-client-flops`, `sim-server-flops` and `sim-stages`, beside
 `wall-seconds`. A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
 up rate`, the stage ending with its slowest node (a node that never replies holds it until
 `round-timeout`); the server's work runs between stages. Training is unchanged (the conformance
@@ -519,8 +520,9 @@ class RoundClock:
 
     def end_round(self) -> dict[str, float]:
         """The round's simulated metrics: ``sim-seconds`` (this round), ``sim-seconds-total``,
-        ``sim-server-seconds``, ``sim-client-flops`` (all nodes), ``sim-server-flops``,
-        ``sim-stages``."""
+        ``sim-server-seconds``, ``sim-node-compute-seconds`` (the compute of each stage's slowest
+        node: the rest of the stages' time is transfers), ``sim-client-flops`` (all nodes),
+        ``sim-server-flops``, ``sim-stages``."""
         self._pause_server()
         rnd = self.round if self.round is not None else 0
         stages = [self.stage_seconds(st, rnd) for st in self._stages]
@@ -528,6 +530,8 @@ class RoundClock:
         seconds = sum(s for s, _ in stages) + server_s
         self.total += seconds
         out = {"sim-seconds": seconds, "sim-seconds-total": self.total, "sim-server-seconds": server_s,
+               # of the stages' time, the slowest nodes' compute (the rest: their transfers, timeouts)
+               "sim-node-compute-seconds": float(sum(c for _, c in stages)),
                "sim-client-flops": float(sum(w["flops"] for st in self._stages for w in st.nodes.values())),
                "sim-server-flops": self._server_flops, "sim-stages": float(len(stages))}
         self.round, self._stages, self._depth = None, [], 0

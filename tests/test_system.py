@@ -91,6 +91,7 @@ def test_a_synchronous_round_ends_with_its_slowest_node():
     m = clock.end_round()
     assert m["sim-seconds"] == pytest.approx(1 + 5 + 1 + 3)
     assert m["sim-server-seconds"] == pytest.approx(3)
+    assert m["sim-node-compute-seconds"] == pytest.approx(5)   # the slowest node's 5e9 FLOPs
     assert m["sim-client-flops"] == pytest.approx(8e9)
     assert m["sim-seconds-total"] == pytest.approx(10)
     clock.begin_round(2)
