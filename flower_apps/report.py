@@ -297,29 +297,40 @@ def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5)
     return "\n".join(lines) + "\n"
 
 
-def target_table(groups: list[SeedGroup], target: float, metric: str = "accuracy") -> str:
+def target_table(groups: list[SeedGroup], target: float, metric: str = "accuracy", reference: str = "") -> str:
     """Time and bytes to ``target`` per experiment: how many seeds reach it, and over those the
     mean ± std of the round, the time (simulated minutes where the runs were timed by a system,
-    else wall seconds) and the MB exchanged; the speed-up column divides the slowest row's mean
-    time by each row's."""
+    else wall seconds) and the MB exchanged; the last two columns divide each row's mean time and
+    MB by those of the row labelled ``reference`` (default: the first; a paper's own method comes
+    first: above 1, the reference is faster or moves fewer bytes)."""
     sim = any(r.has_sim for g in groups for r in g.runs)
     unit, scale = ("simulated min", 60.0) if sim else ("wall s", 1.0)
     stats = []
     for g in groups:
         hits = [h for h in (r.to_target(target, metric) for r in g.runs) if h is not None]
         stats.append((g, hits, _mean_std([h["seconds"] / scale for h in hits])))
-    slowest = max((ms[0] for _, _, ms in stats if not math.isnan(ms[0])), default=math.nan)
+    labels = [g.label for g, _, _ in stats]
+    if reference and reference not in labels:
+        raise ValueError(f"reference={reference!r} is not one of the rows: {', '.join(labels)}")
+    ref = labels.index(reference) if reference else 0
+    first = labels[ref] if stats else ""
+    ref_t = stats[ref][2][0] if stats else math.nan
+    ref_b = _mean_std([h["bytes"] / 1e6 for h in stats[ref][1]])[0] if stats else math.nan
+
+    def ratio(v: float, ref: float) -> str:
+        return "n/a" if math.isnan(v) or math.isnan(ref) or not ref > 0 else f"{v / ref:.2f}x"
+
     head = ["row", "algo", f"seeds reaching {metric} {target:g}", "round", f"time ({unit})",
-            "MB exchanged", "speed-up vs slowest"]
+            "MB exchanged", f"time / {first}'s", f"MB / {first}'s"]
     lines = [f"Time and bytes to {metric} >= {target:g}" + (" (simulated system: "
              + ", ".join(sorted({str(r.config.get('system', '?')) for g in groups for r in g.runs})) + ")"
              if sim else " (wall time)") + ":\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g, hits, t in stats:
         rnd = _mean_std([h["round"] for h in hits])
         mb = _mean_std([h["bytes"] / 1e6 for h in hits])
-        speed = "n/a" if math.isnan(t[0]) or not t[0] > 0 else f"{slowest / t[0]:.2f}x"
         lines.append("| " + " | ".join([g.label, str(g.config.get("algo", "?")), f"{len(hits)}/{len(g.runs)}",
-                                        _pm(rnd, 1), _pm(t, 2), _pm(mb, 1), speed]) + " |")
+                                        _pm(rnd, 1), _pm(t, 2), _pm(mb, 1), ratio(t[0], ref_t),
+                                        ratio(mb[0], ref_b)]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -427,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=None,
                     help="add the time (simulated where the runs chose a system) and bytes to this accuracy, "
                          "and a figure of accuracy against time and bytes (<figure>-cost.png)")
+    ap.add_argument("--reference", default="",
+                    help="with --target: the row (a run or seed-group label) the time and bytes are divided by")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.runs)
@@ -437,7 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     table = seed_table(groups, args.metric) if groups else markdown_table(runs, args.metric)
     cost_groups = groups or [SeedGroup(r.name, [r]) for r in runs]
     if args.target is not None:
-        table += "\n" + target_table(cost_groups, args.target, args.metric)
+        try:
+            table += "\n" + target_table(cost_groups, args.target, args.metric, args.reference)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(table, end="")
     if args.out != "-":
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
