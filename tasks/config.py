@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from tasks.models import MODELS
+
 
 class ConfigError(ValueError):
     """A run-config key or value is invalid. The message names the key."""
@@ -174,8 +176,7 @@ class TaskConfig:
     server_labels: int = knob(500, lo=0, help="N_s class-balanced labeled samples kept on the server (algorithms "
                                               "with labels on the server: semisfl, ssfl, supervised-only; the others "
                                               "ignore the default and warn about another value)")
-    model: str = knob("cnn", choices=("cnn", "mlp", "alexnet", "vgg16", "resnet18", "resnet9", "cnn13", "vgg11",
-                                       "vgg11-small"),
+    model: str = knob("cnn", choices=tuple(MODELS),   # (the one list: tasks.models.MODELS)
                        help="model family (tasks/models.py); input shape and classes come from the data")
     cut: str = knob("", help="split-learning cut point ('' = the model's default)")
     norm: str = knob("bn", choices=("bn", "gn", "none"), help="BatchNorm, GroupNorm(32) or none")
