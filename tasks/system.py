@@ -198,6 +198,18 @@ class CellLink:
     noise_dbm_hz: float = -174.0
     share: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("radius_m", "tx_power_w", "bandwidth_hz"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"system: cell {name.replace('_', '-')}={v!r} must be a positive number")
+        for name in ("path_loss_a", "path_loss_b", "noise_dbm_hz"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"system: cell {name.replace('_', '-')}={v!r} must be a finite number")
+        if not isinstance(self.share, bool):
+            raise ConfigError(f"system: cell share={self.share!r} must be true or false")
+
     def distance(self, seed: int, key: int) -> float:
         u = np.random.default_rng(derive_seed(seed, "system-cell", key)).uniform()
         return float(self.radius_m * math.sqrt(u))   # uniform over the disk's area
@@ -247,11 +259,17 @@ PRESETS: dict[str, SystemModel] = {
 }
 
 
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise ConfigError(f"system: {where} = {v!r} must be a finite number")
+    return float(v)
+
+
 def _dist(d: Any, where: str, default_per: str) -> Dist:
     if isinstance(d, (int, float)) and not isinstance(d, bool):
-        return Dist("fixed", float(d), per=default_per)
+        return Dist("fixed", _number(d, where), per=default_per)
     if isinstance(d, list) and len(d) == 2:
-        return Dist("uniform", float(d[0]), float(d[1]), per=default_per)
+        return Dist("uniform", _number(d[0], where), _number(d[1], where), per=default_per)
     if isinstance(d, dict):
         kind = d.get("kind", "gaussian" if "mean" in d else "uniform")
         if kind == "gaussian":
@@ -263,7 +281,7 @@ def _dist(d: Any, where: str, default_per: str) -> Dist:
         if a is None or b is None:
             raise ConfigError(f"system: {where} = {d!r}: a {kind} distribution needs "
                               + {"gaussian": "mean (and std)", "uniform": "lo and hi"}.get(kind, "value"))
-        return Dist(kind, float(a), float(b), per=str(d.get("per", default_per)))
+        return Dist(str(kind), _number(a, where), _number(b, where), per=str(d.get("per", default_per)))
     raise ConfigError(f"system: {where} = {d!r} must be a number, [lo, hi], or a table "
                       "{kind, mean/std | lo/hi | value, per}")
 
@@ -283,13 +301,18 @@ def system_from_dict(doc: dict[str, Any], name: str = "custom") -> SystemModel:
         devs = comp["devices"]
         if not isinstance(devs, list) or not devs:
             raise ConfigError("system: compute.devices must be a non-empty array of tables")
-        devices = tuple((float(d.get("share", 1.0)), _dist(d.get("rate"), "compute.devices.rate", per)) for d in devs)
+        if not all(isinstance(d, dict) for d in devs):
+            raise ConfigError("system: compute.devices must be an array of tables ([[compute.devices]])")
+        devices = tuple((_number(d.get("share", 1.0), "compute.devices.share"),
+                         _dist(d.get("rate"), "compute.devices.rate", per)) for d in devs)
         names = tuple(str(d.get("name", f"device{i}")) for i, d in enumerate(devs))
     elif "rate" in comp:
         devices, names = ((1.0, _dist(comp["rate"], "compute.rate", per)),), ()
     else:
         raise ConfigError("system: [compute] needs rate = ... or [[compute.devices]]")
     link = doc.get("link", {})
+    if not isinstance(link, dict):
+        raise ConfigError("system: [link] must be a table")
     kind = str(link.get("kind", "range"))
     if kind == "range":
         if "up-mbps" not in link or "down-mbps" not in link:
@@ -303,10 +326,13 @@ def system_from_dict(doc: dict[str, Any], name: str = "custom") -> SystemModel:
         bad = sorted(set(link) - set(keys) - {"kind"})
         if bad:
             raise ConfigError(f"system: unknown cell key(s) {', '.join(bad)}; allowed: {', '.join(keys)}")
-        lk = CellLink(**{keys[k]: (bool(v) if k == "share" else float(v)) for k, v in link.items() if k in keys})
+        lk = CellLink(**{keys[k]: (v if k == "share" else _number(v, f"link.{k}")) for k, v in link.items()
+                         if k in keys})
     else:
         raise ConfigError(f"system: link kind={kind!r} is not one of range, cell")
-    server = float(doc.get("server", {}).get("flops", 1e13))
+    if not isinstance(doc.get("server", {}), dict):
+        raise ConfigError("system: [server] must be a table")
+    server = _number(doc.get("server", {}).get("flops", 1e13), "server.flops")
     if not server > 0:
         raise ConfigError(f"system: server.flops={server} must be > 0")
     return SystemModel(name, Compute(unit, devices, names), lk, server, str(doc.get("description", "")))

@@ -217,6 +217,16 @@ flops = 5e12
     nolink.write_text('[compute]\nrate = 1e9\n[link]\nkind = "cell"\nradius = 3\n')
     with pytest.raises(ConfigError, match="unknown cell key"):
         load_system(str(nolink))
+    for body, words in (('[compute]\nrate = 1e9\n[link]\nkind = "cell"\nbandwidth-hz = 0\n', "bandwidth-hz=0.0 must be a positive"),
+                        ('[compute]\nrate = 1e9\n[link]\nkind = "cell"\nshare = "no"\n', "share='no' must be true or false"),
+                        ('[compute]\nrate = "fast"\n[link]\nup-mbps = 1\ndown-mbps = 1\n', "compute.rate = 'fast'"),
+                        ('[compute]\nrate = nan\n[link]\nup-mbps = 1\ndown-mbps = 1\n', "must be a finite number"),
+                        ('link = 3\n[compute]\nrate = 1\n', "must be a table"),
+                        ('[compute]\ndevices = [1, 2]\n', "array of tables")):
+        bad = tmp_path / "hostile.toml"
+        bad.write_text(body)
+        with pytest.raises(ConfigError, match=words):
+            load_system(str(bad))
     neg = tmp_path / "neg.toml"
     neg.write_text('[compute]\nrate = [5, 1]\n[link]\nup-mbps = 1\ndown-mbps = 1\n')
     with pytest.raises(ConfigError, match="lo <= hi"):
