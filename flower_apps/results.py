@@ -125,18 +125,24 @@ class RunFolder:
         self.path = Path(path)
 
     # ---------------------------------------------------------------- writing
-    def start(self, config: dict[str, Any], *, resume: bool) -> int:
+    def start(self, config: dict[str, Any], *, resume: bool, defaults: dict[str, Any] | None = None) -> int:
         """Prepare the folder; return the last completed round (0 for a fresh run). A run folder
         that is a symbolic link, or that holds one in place of a results file, is refused:
-        results go where the run config says, never through a link to somewhere else."""
+        results go where the run config says, never through a link to somewhere else.
+
+        On resume the config must equal the saved one, except :data:`RESUMABLE_KEYS` and keys the
+        saved config lacks whose value is their default in ``defaults`` (a knob the library
+        gained after the run started, left at its default, changes nothing)."""
         self.check_no_links()
         cfg_path = self.path / CONFIG
         if resume:
             if not cfg_path.exists():
                 raise FileNotFoundError(f"resume=true but {cfg_path} does not exist")
             old = json.loads(cfg_path.read_text())
+            new_at_default = {k for k in set(config) - set(old)
+                              if defaults is not None and k in defaults and defaults[k] == config[k]}
             diff = sorted(k for k in set(old) | set(config)
-                          if k not in RESUMABLE_KEYS and old.get(k) != config.get(k))
+                          if k not in RESUMABLE_KEYS and k not in new_at_default and old.get(k) != config.get(k))
             if diff:
                 raise ValueError(f"resume=true but the run config differs from {cfg_path} in: {', '.join(diff)}")
             done = self.last_checkpoint_round()

@@ -36,6 +36,14 @@ def resolved_config(parsed: ParsedConfig) -> dict:
     return cfg
 
 
+def default_config(parsed: ParsedConfig) -> dict:
+    """What :func:`resolved_config` gives with every knob at its default (same algorithm)."""
+    cfg = {**to_flat(type(parsed.app)()), **to_flat(type(parsed.task)())}
+    if parsed.algo is not None:
+        cfg.update(to_flat(type(parsed.algo)(), parsed.spec.namespace))
+    return cfg
+
+
 def user_keys(grid: Grid) -> set[str] | None:
     """The run-config keys the user set for this run (``flwr run --run-config``), or None
     where the grid does not know its run."""
@@ -68,7 +76,7 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
         err = ConfigError(f"the run cannot start with {strategy.num_partitions} SuperNode(s): {e}")
         log(ERROR, "invalid run config: %s", err)
         raise err from e
-    done = folder.start(resolved_config(parsed), resume=app_cfg.resume)
+    done = folder.start(resolved_config(parsed), resume=app_cfg.resume, defaults=default_config(parsed))
     folder.write_json("partition.json", strategy.env.plan.report)
     if done:
         ck = folder.load_checkpoint()

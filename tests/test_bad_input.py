@@ -245,6 +245,13 @@ def test_resume_mistakes(tmp_path):
     with pytest.raises(FileExistsError, match="already holds a run; choose another run-name"):
         f.start({"lr": 0.1, "num-rounds": 2}, resume=False)
     assert f.start({"lr": 0.1, "num-rounds": 3}, resume=True) == 0  # num-rounds may grow
+    # a knob the library gained after the run started: fine at its default, a difference otherwise
+    d = {"lr": 0.05, "cutout": -1}
+    assert f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True, defaults=d) == 0
+    with pytest.raises(ValueError, match="differs from .* in: cutout"):
+        f.start({"lr": 0.1, "num-rounds": 3, "cutout": 7}, resume=True, defaults=d)
+    with pytest.raises(ValueError, match="differs from .* in: cutout"):
+        f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True)
 
 
 def test_supernode_without_node_config():
