@@ -17,6 +17,7 @@ Families (``MODELS``), cut points and default cut
 name     cut points                                              default cut
 ======== ======================================================= ============
 cnn      conv1, conv2, fc1                                       conv2
+cnn-afo  conv1, conv2, fc1                                       conv2
 mlp      fc1 .. fcN (one per hidden layer)                       fc1
 alexnet  conv1 .. conv5, fc1, fc2                                conv2
 vgg16    conv1 .. conv13, fc1, fc2                               conv13
@@ -35,6 +36,12 @@ vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
   the paper's model size (with "same" padding it would be 8.4 MB). That figure is
   for ``norm="none"``; ``"bn"``/``"gn"`` add 192 affine parameters. 1x28x28 input
   gives a 64x4x4 map (582,026 parameters with 10 classes).
+* ``cnn-afo`` - the EMNIST CNN of "Adaptive Federated Optimization" (Reddi et al.), the
+  model SSFL's authors train on EMNIST (ssfl_benchmark.md Section 6): conv3x3(32) -> ReLU ->
+  conv3x3(64) -> ReLU -> maxpool2 -> Dropout2d(dropout / 2) -> FC128 -> ReLU ->
+  Dropout(dropout) -> FC(M), valid convolutions (1,199,882 parameters at 1x28x28, 10
+  classes). With ``dropout=0.5`` the two dropouts are the authors' 0.25 / 0.5. The authors'
+  module defines a GroupNorm that its ``forward`` never calls: ``norm="none"`` is their net.
 * ``mlp`` - Flatten -> ``hidden`` Linear layers (default one of 500; Fed-SHVR's
   paper net is ``hidden=(5000,)``) each followed by norm, ReLU and dropout -> FC(M).
   ``norm`` applies to the hidden layers (BatchNorm1d / GroupNorm / none); use
@@ -127,6 +134,7 @@ __all__ = [
     "head_prefix",
     "has_dropout",
     "cnn",
+    "cnn_afo",
     "mlp",
     "alexnet",
     "vgg16",
@@ -363,6 +371,29 @@ def cnn(*, in_channels: int, num_classes: int, image_size: int, norm: str = "bn"
         ("head", nn.Sequential(nn.Linear(512, num_classes))),
     ]
     return StagedModel("cnn", stages, "conv2", _config(
+        in_channels=in_channels, num_classes=num_classes, image_size=image_size, norm=norm, dropout=dropout))
+
+
+def cnn_afo(*, in_channels: int, num_classes: int, image_size: int, norm: str = "none",
+            dropout: float = 0.5) -> StagedModel:
+    """The EMNIST CNN of "Adaptive Federated Optimization" that SSFL's authors train (spec §6):
+    conv3x3(32)+ReLU, conv3x3(64)+ReLU, maxpool2, Dropout2d(dropout / 2), FC128+ReLU,
+    Dropout(dropout), FC(M); valid convolutions. ``norm`` after each conv ('none' is the
+    authors' forward pass, which defines GroupNorm but never calls it)."""
+    _check_common(in_channels, num_classes, image_size, norm, dropout)
+    s = (image_size - 4) // 2
+    _need("cnn-afo", image_size, s >= 1, 6)
+    pool: list[nn.Module] = []
+    if s > 12:
+        pool, s = [nn.AdaptiveAvgPool2d(12)], 12
+    stages = [
+        ("conv1", nn.Sequential(*_conv_block(in_channels, 32, norm, kernel=3, padding=0))),
+        ("conv2", nn.Sequential(*_conv_block(32, 64, norm, kernel=3, padding=0), nn.MaxPool2d(2),
+                                *([nn.Dropout2d(dropout / 2)] if dropout > 0 else []))),
+        ("fc1", nn.Sequential(*pool, nn.Flatten(), *_fc_block(64 * s * s, 128, dropout))),
+        ("head", nn.Sequential(nn.Linear(128, num_classes))),
+    ]
+    return StagedModel("cnn-afo", stages, "conv2", _config(
         in_channels=in_channels, num_classes=num_classes, image_size=image_size, norm=norm, dropout=dropout))
 
 
@@ -611,6 +642,7 @@ def cnn13(*, in_channels: int, num_classes: int, image_size: int, norm: str = "b
 
 MODELS: dict[str, Callable[..., StagedModel]] = {
     "cnn": cnn,
+    "cnn-afo": cnn_afo,
     "mlp": mlp,
     "alexnet": alexnet,
     "alexnet-semisfl": alexnet_semisfl,

@@ -23,6 +23,7 @@ from tasks.models import MODELS, NORMS, StagedModel, build_model, make_norm
 SHAPES = [(1, 28), (3, 32)]
 EXPECTED_CUTS = {
     "cnn": (["conv1", "conv2", "fc1"], "conv2"),
+    "cnn-afo": (["conv1", "conv2", "fc1"], "conv2"),
     "mlp": (["fc1"], "fc1"),
     "alexnet": (["conv1", "conv2", "conv3", "conv4", "conv5", "fc1", "fc2"], "conv2"),
     "alexnet-semisfl": (["conv1", "conv2", "conv3", "conv4", "conv5", "fc1", "fc2"], "conv5"),
@@ -59,6 +60,16 @@ def test_registry_and_cut_points():
         assert m.feature_dim == m.classifier.in_features
         prefix = m.classifier_prefix
         assert {k for k in m.state_dict() if k.startswith(prefix)} == {prefix + "weight", prefix + "bias"}
+
+
+def test_cnn_afo_is_the_ssfl_authors_emnist_net():
+    # Reddi et al.'s EMNIST CNN: conv3x3(32), conv3x3(64), pool, Dropout2d(0.25), FC128, Dropout(0.5), FC.
+    m = _build("cnn-afo", 1, 28, norm="none", dropout=0.5)
+    assert sum(p.numel() for p in m.parameters()) == (9 * 32 + 32) + (9 * 32 * 64 + 64) + (9216 * 128 + 128) + (128 * 10 + 10)
+    drops = [(type(d).__name__, d.p) for d in m.modules() if isinstance(d, torch.nn.modules.dropout._DropoutNd)]
+    assert drops == [("Dropout2d", 0.25), ("Dropout", 0.5)]
+    assert not any(isinstance(x, (torch.nn.GroupNorm, torch.nn.BatchNorm2d)) for x in m.modules())
+    assert not any(isinstance(d, torch.nn.Dropout2d) for d in _build("cnn-afo", 1, 28, norm="gn").modules())
 
 
 def test_cnn_parameter_count_matches_semisfl_size():
@@ -278,7 +289,7 @@ def test_vgg16_small_input_keeps_positive_maps():
 
 def test_errors_name_the_key():
     kw = dict(in_channels=3, num_classes=10, image_size=32)
-    with pytest.raises(ValueError, match=r"model='x' is not one of cnn, mlp, alexnet"):
+    with pytest.raises(ValueError, match=r"model=.x. is not one of cnn, cnn-afo, mlp, alexnet"):
         build_model("x", **kw)
     with pytest.raises(ValueError, match=r"norm='batch' is not one of bn, gn, none"):
         build_model("cnn", norm="batch", **kw)
