@@ -181,6 +181,8 @@ class TaskConfig:
     cut: str = knob("", help="split-learning cut point ('' = the model's default)")
     norm: str = knob("bn", choices=("bn", "gn", "none"), help="BatchNorm, GroupNorm(32) or none")
     dropout: float = knob(0.0, lo=0.0, hi=1.0, hi_open=True, help="dropout rate where the model family places it")
+    cutout: int = knob(-1, lo=-1, help="side in pixels of the strong view's Cutout square (-1 = half the image, "
+                                       "the authors' FixMatch code: 14 px on 28x28; 0 = no Cutout)")
     batch_size: int = knob(32, lo=1, help="local mini-batch size")
     local_epochs: int = knob(1, lo=0, help="local passes over the node's data per round")
     local_steps: int = knob(0, lo=0, help="> 0 overrides local-epochs with a fixed number of steps")

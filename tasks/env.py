@@ -138,8 +138,19 @@ def plan_cached(task: TaskConfig, num_partitions: int, label_mode: str, with_tes
                      test_labels=bundle.test.y if with_test else None)
 
 
-def make_augmenter(bundle: DatasetBundle) -> Augmenter:
-    return Augmenter(bundle.in_channels, bundle.image_size, flip=not bundle.is_digits)
+def make_augmenter(bundle: DatasetBundle, task: TaskConfig | None = None) -> Augmenter:
+    """The data's weak/strong augmenter (flips except on digits; ``task.cutout``)."""
+    return task_augmenter(bundle.in_channels, bundle.image_size, flip=not bundle.is_digits, task=task)
+
+
+def task_augmenter(channels: int, size: int, *, flip: bool, task: TaskConfig | None = None) -> Augmenter:
+    """``Augmenter(C, H, flip=flip)`` with the run's Cutout side (``cutout``; -1 = the
+    Augmenter's default, half the image)."""
+    cut = None if task is None or task.cutout < 0 else int(task.cutout)
+    if cut is not None and cut > size:
+        raise ConfigError(f"cutout={cut} is larger than the {size}x{size} images: use 0 .. {size} pixels "
+                          "(0 = no Cutout, -1 = half the image)")
+    return Augmenter(channels, size, flip=flip, cutout_size=cut)
 
 
 def library_env(task: TaskConfig, num_partitions: int, label_mode: str, with_test: bool = False,
@@ -164,7 +175,7 @@ def library_env(task: TaskConfig, num_partitions: int, label_mode: str, with_tes
         return build_model(task.model, in_channels=bundle.in_channels, num_classes=bundle.num_classes,
                            image_size=bundle.image_size, norm=task.norm, dropout=task.dropout)
 
-    return Env(task, resolve_device(task.device), make_augmenter(bundle), bundle.num_classes, model_fn, data,
+    return Env(task, resolve_device(task.device), make_augmenter(bundle, task), bundle.num_classes, model_fn, data,
                partition_id, num_partitions, plan, bundle)
 
 
@@ -207,7 +218,7 @@ def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data:
         if h != w:
             raise ConfigError(f"images must be square [C, H, H]; got [C, H, W] = {[c, h, w]}")
         try:
-            augmenter = Augmenter(int(c), int(h), flip=flip)
+            augmenter = task_augmenter(int(c), int(h), flip=flip, task=task)
         except ValueError as e:
             raise ConfigError(f"images of shape {[c, h, w]}: {e}") from None
     if num_classes is None:

@@ -374,3 +374,24 @@ def test_cuda_matches_cpu():
     torch.manual_seed(4)
     b = aug.strong(x.cuda())
     assert b.device.type == "cuda" and torch.allclose(a, b.cpu())
+
+
+def test_run_config_cutout_sets_the_square_side():
+    """``cutout`` (run config): -1 = the Augmenter's half-image default, 0 = none, else pixels; a side
+    larger than the images is a ConfigError naming the key."""
+    from tasks.config import ConfigError, TaskConfig
+    from tasks.env import task_augmenter
+
+    assert task_augmenter(1, 28, flip=False, task=TaskConfig()).cutout_size == 14
+    assert task_augmenter(1, 28, flip=False, task=TaskConfig(cutout=7)).cutout_size == 7
+    assert task_augmenter(1, 28, flip=False, task=TaskConfig(cutout=0)).cutout_size == 0
+    with pytest.raises(ConfigError, match="cutout=40 is larger than the 28x28 images"):
+        task_augmenter(1, 28, flip=False, task=TaskConfig(cutout=40))
+    # the grey square really is 7 px: an all-white batch through the strong view without ops
+    aug = task_augmenter(1, 28, flip=False, task=TaskConfig(cutout=7))
+    aug.num_ops = 0
+    x = torch.full((8, 1, 28, 28), 255, dtype=torch.uint8)
+    torch.manual_seed(0)
+    out = aug.strong_uint8(x)
+    grey = (out == 127).flatten(1).sum(1)
+    assert int(grey.max()) == 49 and int(grey.min()) > 0
