@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any, Callable
 
 import numpy as np
@@ -147,6 +147,8 @@ class SSFLConfig:
                             help="linear warmup e/E as a share of the run (num-rounds x T)")
     lr_eps: float = knob(1e-4, lo=0.0, hi=1.0, help="floor eps of Eq. 10, relative to lr")
     nesterov: bool = knob(True, help="Nesterov momentum (authors' code)")
+    warm_start_steps: int = knob(0, lo=0, help="W labeled steps of the server, at the constant lr, before round "
+                                                "1 (a warm start; 0 = cold, the paper)")
 
     def validate(self) -> None:
         if self.lr_schedule == "cosine" and self.lr_warmup >= self.lr_horizon:
@@ -312,6 +314,22 @@ class SSFLStrategy(BaseStrategy):
                                   "steps); the server does not know the nodes' data sizes for local_epochs")
             self.period = max(1, t.local_epochs * math.ceil(float(np.mean(sizes)) / t.batch_size))
 
+    def warm_start(self) -> dict[str, Any]:
+        """``ssfl.warm-start-steps`` labeled steps of the server before round 1, at the constant
+        ``lr`` (not the paper's: a probe of how a warm server model fares in the users' first
+        period); returns the warm model's test accuracy and loss as ``warm-*`` metrics."""
+        res = train_supervised(self.model, self.env.server_labeled(), aug=self.env.augmenter,
+                               steps=self.cfg.warm_start_steps, batch_size=self.task.batch_size,
+                               optimizer=self.optimizer, device=self.env.device,
+                               seed=derive_seed(self.task.seed, "ssfl-warm-start"), lr_fn=lambda i: self.task.lr)
+        out = {"warm-train-loss": res["train-loss"]}
+        ev = self.evaluate_global()
+        if "accuracy" in ev:
+            out["warm-accuracy"] = ev["accuracy"]
+        log(INFO, "ssfl warm start: %s labeled steps, test accuracy %s", self.cfg.warm_start_steps,
+            out.get("warm-accuracy", "n/a"))
+        return out
+
     def server_params(self) -> dict[str, np.ndarray]:
         sd = self.model.state_dict()
         return {k: sd[k].detach().cpu().numpy().copy() for k in self.keys}
@@ -333,7 +351,10 @@ class SSFLStrategy(BaseStrategy):
 
     # ---------------------------------------------------------------- round
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        warm: dict[str, Any] = {}
         if self.group_params is None:
+            if self.cfg.warm_start_steps > 0:
+                warm = self.warm_start()
             self.group_params = [self.server_params() for _ in range(self.cfg.groups)]
         nodes = self.sample_nodes(grid, server_round)
         if self.cfg.groups > 1:
@@ -356,7 +377,7 @@ class SSFLStrategy(BaseStrategy):
             users[r.metadata.src_node_id] = record_to_numpy(rec)
             mets.append({k: (list(v) if isinstance(v, list) else float(v))
                          for k, v in r.content.metric_records[METRICS_KEY].items()})
-        out: dict[str, Any] = {"participants": len(replies)}
+        out: dict[str, Any] = {"participants": len(replies), **warm}
         if len(users) < self.policy.min_nodes:
             out["skipped"] = 1
             log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, len(users),
@@ -388,6 +409,9 @@ class SSFLStrategy(BaseStrategy):
             # which class the users' confident pseudo-labels go to: a collapse shows as share -> 1
             out["pseudo-main-class"] = int(np.argmax(total))
             out["pseudo-main-share"] = float(total.max() / total.sum())
+            # per class: its confident pseudo-labels this round (a class's onset is its first count > 0)
+            out["pseudo-hist"] = [float(v) for v in np.pad(total, (0, max(self.env.num_classes - size, 0)))]
+            out["pseudo-classes"] = int((total > 0).sum())
         out["server-train-loss"] = srv["train-loss"]
         out["lr"] = float(lr_fn(self.period - 1))
         out["period"] = self.period

@@ -246,3 +246,50 @@ def test_a_period_without_a_confident_pseudo_label_reports_no_train_loss():
     res, rows = run(s, grid, rounds=1)
     (m,) = rows
     assert m["mask-rate"] == 0.0 and "train-loss" not in m and m["participants"] > 0
+
+
+def test_warm_start_trains_the_server_before_round_one_and_users_start_from_it(monkeypatch):
+    """``ssfl.warm-start-steps=W``: W labeled steps of the server before round 1 (constant lr),
+    evaluated (``warm-accuracy``), and round 1's users receive that warm model; 0 = cold."""
+    import strategies.ssfl as ss
+    from tests.test_conformance import build, run
+
+    calls = []
+    real = ss.train_supervised
+
+    def spy(model, data, **kw):
+        calls.append((kw["steps"], kw["lr_fn"](0)))
+        return real(model, data, **kw)
+
+    monkeypatch.setattr(ss, "train_supervised", spy)
+    s, grid = build("ssfl", **{"ssfl.warm-start-steps": 7, "lr": 0.03})
+    s.setup(grid)
+    sent = []
+    handler = grid.handler
+    grid.handler = lambda m, c: sent.append(m.content.array_records["arrays"]) or handler(m, c)
+    before = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
+    res, rows = run(s, grid, rounds=2)
+    assert calls[0] == (7, 0.03)                       # the warm start, then the server's periods
+    assert [c[0] for c in calls[1:]] == [s.period, s.period]
+    assert "warm-accuracy" in rows[0] and 0.0 <= rows[0]["warm-accuracy"] <= 1.0 and "warm-accuracy" not in rows[1]
+    w = next(iter(sent[0].keys()))
+    assert not np.array_equal(sent[0][w].numpy(), before[w].numpy())  # users got the warm model
+    s2, grid2 = build("ssfl")
+    calls.clear()
+    run(s2, grid2, rounds=1)
+    assert [c[0] for c in calls] == [s2.period]        # cold: no extra server steps
+
+
+def test_round_reports_the_per_class_histogram_of_confident_pseudo_labels(monkeypatch):
+    """The round's ``pseudo-hist`` sums the consenting users' histograms over all classes (a class's
+    onset is its first round with a count > 0) and ``pseudo-classes`` counts the non-empty ones."""
+    from tests.test_conformance import build, run
+
+    monkeypatch.setenv("FLOWER_SSL_SHARE_LABEL_METRICS", "1")
+    s, grid = build("ssfl", **{"ssfl.tau": 0.0})        # every pseudo-label confident
+    res, rows = run(s, grid, rounds=1)
+    (m,) = rows
+    assert len(m["pseudo-hist"]) == s.env.num_classes
+    assert sum(m["pseudo-hist"]) == pytest.approx(m["mask-rate"] * s.period * s.task.batch_size * m["participants"])
+    assert m["pseudo-classes"] == sum(v > 0 for v in m["pseudo-hist"])
+    assert m["pseudo-main-class"] == int(np.argmax(m["pseudo-hist"]))
