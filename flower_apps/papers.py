@@ -109,6 +109,9 @@ PAPERS: dict[str, Paper] = {
               "semisfl.k-s": 50, "semisfl.k-u": 20, "semisfl.labeled-batch-size": 64, "semisfl.ema-decay": 0.99},
         rows=(Row("supervised-only", {"algo": "supervised-only", "local-steps": 50},
                   "the server alone: 50 labeled steps of batch 64 per round, same lr schedule", label="Supervised-only"),
+              Row("supervised-only-x4", {"algo": "supervised-only", "local-steps": 200},
+                  "the server alone at the K_s controller's cap (4 K_s^1 = 200 steps per round): at least as many "
+                  "labeled steps as `semisfl` takes in any seed, so its margin is not a step count", probe=True),
               Row("semifl", {"algo": "semifl", "local-steps": 20, "semifl.server-steps": 50, "semifl.server-first": True},
                   "SemiFL, full model: the server fine-tunes 50 steps of batch 64, then static BN statistics; "
                   "clients K_u = 20 fix+mix steps on pseudo-labels >= 0.95; global momentum 0.5; one server "
@@ -164,7 +167,19 @@ PAPERS: dict[str, Paper] = {
                   "synchronous EASGD, period T = 16, a = 0.9/K; the centre z is evaluated", label="EASGD"),
               Row("overlapsgd-gn", {"algo": "overlapsgd", "norm": "gn"},
                   "Overlap Local-SGD, period T = 16, pull 0.6, anchor momentum 0.7; the anchor is evaluated",
-                  label="OverlapSGD")),
+                  label="OverlapSGD"),
+              # what makes CRL collapse (issue 29): one ingredient changed per row
+              Row("ssfl-gn-cutout7", {"algo": "ssfl", "norm": "gn", "cutout": 7},
+                  "probe: CRL + GN with a 7-px Cutout instead of the authors' half-image 14 px", probe=True),
+              Row("ssfl-afo", {"algo": "ssfl", "model": "cnn-afo", "norm": "none", "dropout": 0.5},
+                  "probe: CRL on the authors' EMNIST net (Reddi et al.'s CNN: no normalisation in its forward, "
+                  "Dropout2d 0.25, Dropout 0.5)", probe=True),
+              Row("ssfl-gn-warm", {"algo": "ssfl", "norm": "gn", "ssfl.warm-start-steps": 240},
+                  "probe: CRL + GN from a warm server model (240 labeled steps at the constant lr before round 1: "
+                  "the run's whole server budget)", probe=True),
+              Row("ssfl-afo-warm", {"algo": "ssfl", "model": "cnn-afo", "norm": "none", "dropout": 0.5,
+                                    "ssfl.warm-start-steps": 240},
+                  "probe: the authors' net from the same warm start", probe=True)),
         supernodes=10,
         tables={"design ablation (§9)": ("self-training", "CRL+BN", "CRL+GN", "CRL+GN+grouping"),
                 "Table 3": ("supervised FedAvg", "DataSharing", "ours (no user labels)"),
