@@ -335,16 +335,17 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 
 
 def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None = None,
-               sets: dict[str, Any] | None = None) -> tuple[dict, set[str]]:
+               sets: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None) -> tuple[dict, set[str]]:
     """The fused run config of one (row, seed) and the keys set for it (the 'user' keys);
-    ``sets``: keys set for every row (``--set``), over the paper's base, under the row's own."""
+    ``sets``: keys set for every row (``--set``), over the paper's base, under the row's own;
+    ``defaults``: the project's run config (default: read from pyproject.toml now)."""
     from flower_apps.simulate import fused_run_config
 
     over = {**paper.base, **(sets or {}), **row.overrides, "seed": seed, "run-name": f"{row.name}-s{seed}",
             "results-dir": str(out)}
     if rounds is not None:
         over["num-rounds"] = rounds
-    cfg = fused_run_config(None)
+    cfg = dict(defaults) if defaults is not None else fused_run_config(None)
     unknown = sorted(set(over) - set(cfg))
     if unknown:
         raise KeyError(f"paper {paper.name!r}, row {row.name!r}: unknown run-config keys {unknown}")
@@ -381,10 +382,13 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FLOWER_SSL_STATE_DIR", str(out / ".node-state"))
     chosen = [paper.rows_by_name[r] for r in rows] if rows else list(paper.rows)
+    from flower_apps.simulate import fused_run_config
+
+    defaults = fused_run_config(None)   # read once: editing pyproject.toml mid-sweep changes nothing
     t_all = time.time()
     for row in chosen:
         for seed in seeds:
-            cfg, explicit = row_config(paper, row, seed, out, rounds, sets)
+            cfg, explicit = row_config(paper, row, seed, out, rounds, sets, defaults)
             folder = out / cfg["run-name"]
             done = _done_rounds(folder)
             if done >= cfg["num-rounds"]:

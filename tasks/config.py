@@ -159,6 +159,8 @@ class TaskConfig:
     dataset: str = knob("mnist5k", help="'mnist5k' (embedded), 'fashion-mnist' (Debian package dataset-fashion-mnist), "
                                          "a Hugging Face id, or a local path (save_to_disk, parquet, idx files)")
     dataset_split: str = knob("", help="use only this split of the source ('' = train/test as shipped)")
+    train_size: int = knob(0, lo=0, help="use a stratified, seeded subset of this many training samples (0 = all; "
+                                         "the test split stays whole)")
     image_key: str = knob("", help="image column ('' = auto)")
     label_key: str = knob("", help="label column ('' = auto)")
     test_fraction: float = knob(0.2, lo=0.0, hi=1.0, lo_open=True, hi_open=True,

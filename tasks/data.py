@@ -326,6 +326,19 @@ def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def stratified_subset(y: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """``size`` sorted indices of ``y`` keeping each class's share (largest remainders; seeded)."""
+    if not 0 < size <= len(y):
+        raise DatasetError(f"train-size={size} must be in 1 .. {len(y)} (the training split's size)")
+    rng = np.random.default_rng(seed)
+    classes, counts = np.unique(y, return_counts=True)
+    quota = counts * size / len(y)
+    take = np.floor(quota).astype(int)
+    for i in np.argsort(-(quota - take), kind="stable")[: size - int(take.sum())]:
+        take[i] += 1
+    return np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == c))[:k] for c, k in zip(classes, take)]))
+
+
 # --------------------------------------------------------------------------- Hugging Face
 def _pick_key(columns: list[str], wanted: str, candidates: tuple[str, ...], what: str) -> str:
     if wanted:

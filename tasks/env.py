@@ -27,7 +27,7 @@ from torch import nn
 
 from tasks.augment import Augmenter
 from tasks.config import ConfigError, TaskConfig
-from tasks.data import ArrayDataset, DatasetBundle, as_dataset, load_dataset
+from tasks.data import ArrayDataset, DatasetBundle, as_dataset, load_dataset, stratified_subset
 from tasks.models import as_staged, build_model
 from tasks.partition import PartitionConfig, PartitionPlan, make_plan
 from tasks.training import derive_seed, resolve_device, seeded
@@ -127,8 +127,17 @@ def partition_config(task: TaskConfig, label_mode: str = "server") -> PartitionC
 
 
 def load_bundle(task: TaskConfig) -> DatasetBundle:
-    return load_dataset(task.dataset, seed=task.seed, test_fraction=task.test_fraction,
-                        split=task.dataset_split, image_key=task.image_key, label_key=task.label_key)
+    """The run's dataset; with ``train-size`` > 0 a stratified, seeded subset of its training split
+    (the test split stays whole)."""
+    bundle = load_dataset(task.dataset, seed=task.seed, test_fraction=task.test_fraction,
+                          split=task.dataset_split, image_key=task.image_key, label_key=task.label_key)
+    if task.train_size <= 0 or task.train_size == len(bundle.train):
+        return bundle
+    if task.train_size > len(bundle.train):
+        raise ConfigError(f"train-size={task.train_size} is more than the {len(bundle.train)} training samples of "
+                          f"dataset={task.dataset!r}: use 1 .. {len(bundle.train)}, or 0 for all of them")
+    keep = stratified_subset(bundle.train.y, task.train_size, task.seed)
+    return DatasetBundle(bundle.name, bundle.train.subset(keep), bundle.test, bundle.num_classes)
 
 
 @functools.lru_cache(maxsize=8)

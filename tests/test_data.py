@@ -209,3 +209,24 @@ def test_the_real_fashion_mnist_files(monkeypatch):
     assert b.num_classes == 10
     assert (np.bincount(b.train.y) == 6000).all() and (np.bincount(b.test.y) == 1000).all()
     data._load_dataset_cached.cache_clear()
+
+
+def test_train_size_takes_a_stratified_seeded_subset_of_the_training_split():
+    """``train-size=N``: N training samples, each class's share kept (to one sample), the same N
+    for the same seed and another draw for another seed; the test split stays whole; too many is
+    a ConfigError naming the key."""
+    from tasks.config import ConfigError, TaskConfig
+    from tasks.env import load_bundle
+
+    full = load_bundle(TaskConfig())
+    sub = load_bundle(TaskConfig(train_size=1001))
+    assert len(sub.train) == 1001 and len(sub.test) == len(full.test)
+    share = np.bincount(full.train.y, minlength=10) / len(full.train)
+    assert np.all(np.abs(np.bincount(sub.train.y, minlength=10) - share * 1001) < 1.0)
+    again = load_bundle(TaskConfig(train_size=1001))
+    other = load_bundle(TaskConfig(train_size=1001, seed=1))
+    np.testing.assert_array_equal(again.train.x, sub.train.x)
+    assert not np.array_equal(other.train.x, sub.train.x)
+    assert load_bundle(TaskConfig(train_size=len(full.train))).train is full.train
+    with pytest.raises(ConfigError, match=rf"train-size=99999 is more than the {len(full.train)} training samples"):
+        load_bundle(TaskConfig(train_size=99999))
