@@ -377,7 +377,7 @@ def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path
 
 def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",
               rows: list[str] | None = None, rounds: int | None = None, log=print,
-              sets: dict[str, Any] | None = None, target: float | None = None) -> Path:
+              sets: dict[str, Any] | None = None, target: float | None = None, paired: str = "") -> Path:
     """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``."""
     paper = PAPERS[name]
     out = Path(out or Path("results") / "papers" / name).resolve()
@@ -403,13 +403,15 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
             log(f"[{name}] {folder.name}: {'resuming after round ' + str(done) if done else 'running'}")
             run_one(cfg, explicit, paper.supernodes, engine)
             log(f"[{name}] {folder.name}: {time.time() - t0:.0f} s")
-    write_report(paper, out, [r.name for r in chosen], seeds, target)
+    write_report(paper, out, [r.name for r in chosen], seeds, target, paired)
     log(f"[{name}] report: {out / 'report.md'} ({time.time() - t_all:.0f} s)")
     return out
 
 
-def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None) -> str:
-    from flower_apps.report import plot_seed_groups, plot_cost, read_run, seed_groups, seed_table, target_table
+def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None,
+                 paired: str = "") -> str:
+    from flower_apps.report import (paired_table, plot_cost, plot_seed_groups, read_run, seed_groups, seed_table,
+                                    target_table)
 
     runs = [read_run(out / f"{r}-s{s}") for r in rows for s in seeds if (out / f"{r}-s{s}" / "metrics.jsonl").exists()]
     groups = seed_groups(runs)
@@ -417,6 +419,8 @@ def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float 
     notes = "\n".join(f"* `{r.name}`: {r.note}" for r in paper.rows if r.name in rows and r.note)
     if target is not None:   # time (simulated, where a system was chosen) and bytes to the target
         table += "\n" + target_table(groups, target)
+    if paired:   # every row against one, seed by seed
+        table += "\n" + paired_table(groups, paired)
     text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
@@ -441,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. --set system=semisfl model=alexnet cut=conv5")
     ap.add_argument("--target", type=float, default=None,
                     help="also tabulate the time (simulated where a system is set) and bytes to this accuracy")
+    ap.add_argument("--paired", default="", metavar="ROW",
+                    help="also tabulate every row's per-seed differences from this row (paired over seeds)")
     ap.add_argument("--list", action="store_true",
                     help="print the paper's tables (each method and the rows that rerun it), rows and settings")
     args = ap.parse_args(argv)
@@ -448,16 +454,20 @@ def main(argv: list[str] | None = None) -> int:
         for p in ([PAPERS[args.paper]] if args.paper else PAPERS.values()):
             print(p.listing())
         return 0 if args.list else 2
-    unknown = [r for r in (args.rows or []) if r not in PAPERS[args.paper].rows_by_name]
+    unknown = [r for r in (args.rows or []) + ([args.paired] if args.paired else [])
+               if r not in PAPERS[args.paper].rows_by_name]
     if unknown:
         print(f"error: --rows {unknown} not in {args.paper}'s rows: "
               f"{', '.join(PAPERS[args.paper].rows_by_name)}", file=sys.stderr)
+        return 2
+    if args.paired and args.rows and args.paired not in args.rows:
+        print(f"error: --paired {args.paired!r} is not one of the --rows", file=sys.stderr)
         return 2
     from tasks.config import ConfigError
 
     try:
         run_paper(args.paper, args.seeds, Path(args.out) if args.out else None, args.engine, args.rows, args.rounds,
-                  sets=parse_sets(args.set), target=args.target)
+                  sets=parse_sets(args.set), target=args.target, paired=args.paired)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -334,6 +334,44 @@ def target_table(groups: list[SeedGroup], target: float, metric: str = "accuracy
     return "\n".join(lines) + "\n"
 
 
+def paired_table(groups: list[SeedGroup], reference: str, metric: str = "accuracy", last: int = 5) -> str:
+    """Each row against the row labelled ``reference``, seed by seed: over the seeds both ran, the
+    mean ± sample std of (row - reference) for the final value and the last-``last`` mean, how many
+    seeds the row is ahead on (final), and the paired t statistic of the final difference (mean /
+    (std / sqrt n); |t| above 2.78 / 2.13 is the two-sided 5% level at 5 / 3 seeds)."""
+    labels = [g.label for g in groups]
+    if reference not in labels:
+        raise ValueError(f"reference={reference!r} is not one of the rows: {', '.join(labels)}")
+
+    def per_seed(g: SeedGroup) -> dict[Any, tuple[float, float]]:
+        out = {}
+        for r in g.runs:
+            vals = [v for _, v in r.series(metric)]
+            if vals:
+                out[r.config.get("seed")] = (vals[-1], sum(vals[-last:]) / len(vals[-last:]))
+        return out
+
+    ref = per_seed(groups[labels.index(reference)])
+    head = ["row", "seeds paired", f"final - {reference}'s", f"last-{last} mean - {reference}'s",
+            "seeds ahead (final)", "paired t (final)"]
+    lines = [f"Paired differences against `{reference}`, seed by seed ({metric}):\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        if g.label == reference:
+            continue
+        mine = per_seed(g)
+        seeds = [sd for sd in mine if sd in ref]
+        d_final = [mine[sd][0] - ref[sd][0] for sd in seeds]
+        d_last = [mine[sd][1] - ref[sd][1] for sd in seeds]
+        m, sd_ = _mean_std(d_final)
+        t = ("n/a" if len(seeds) < 2 or math.isnan(m) else
+             ("inf" if sd_ == 0 and m != 0 else "0.00" if sd_ == 0 else f"{m / (sd_ / math.sqrt(len(seeds))):+.2f}"))
+        lines.append("| " + " | ".join([g.label, ",".join(str(x) for x in seeds), _pm(_mean_std(d_final)),
+                                        _pm(_mean_std(d_last)), f"{sum(d > 0 for d in d_final)}/{len(seeds)}",
+                                        t]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def mean_cost_curve(g: SeedGroup, metric: str = "accuracy") -> tuple[list[float], list[float], list[float]]:
     """Per round all seeds reached: mean time (:meth:`Run.clock`), mean cumulative MB and mean ``metric``."""
     per = []
@@ -440,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                          "and a figure of accuracy against time and bytes (<figure>-cost.png)")
     ap.add_argument("--reference", default="",
                     help="with --target: the row (a run or seed-group label) the time and bytes are divided by")
+    ap.add_argument("--paired", default="",
+                    help="with --by-seed: a table of every row's per-seed differences from this row")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.runs)
@@ -452,6 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.target is not None:
         try:
             table += "\n" + target_table(cost_groups, args.target, args.metric, args.reference)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.paired:
+        if not groups:
+            print("error: --paired needs --by-seed", file=sys.stderr)
+            return 2
+        try:
+            table += "\n" + paired_table(groups, args.paired, args.metric)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

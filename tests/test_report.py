@@ -61,3 +61,22 @@ def test_by_seed_mean_and_sample_std(tmp_path):
     # 3-round means 0.4333, 0.4667, 0.4: 0.433 ± 0.033
     assert lines[3].startswith("| scala | scala | 0.01 | 0,1,2 | 0.600 ± 0.100 | 0.633 ± 0.058 | 0.433 ± 0.033 | 3 |")
     assert fig.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_paired_differences_seed_by_seed(tmp_path, capsys):
+    """``--paired ROW``: per seed, row - ROW on the final and last-5 accuracy; mean ± sample std over
+    the shared seeds, seeds ahead, and the paired t (mean / (std / sqrt n)), by hand."""
+    base = {"algo": "x", "results-dir": "r"}
+    for seed, (a, b) in enumerate([(0.50, 0.52), (0.60, 0.65), (0.70, 0.69)]):
+        _write_run(tmp_path / "runs" / f"ref-s{seed}", {**base, "lr": 0.1, "seed": seed, "run-name": f"ref-s{seed}"}, [a])
+        _write_run(tmp_path / "runs" / f"new-s{seed}", {**base, "lr": 0.2, "seed": seed, "run-name": f"new-s{seed}"}, [b])
+    _write_run(tmp_path / "runs" / "lone-s7", {**base, "lr": 0.3, "seed": 7, "run-name": "lone-s7"}, [0.9])
+    out = tmp_path / "r.md"
+    assert main([str(tmp_path / "runs"), "--by-seed", "--paired", "ref", "--out", str(out), "--figure", ""]) == 0
+    text = out.read_text()
+    # differences 0.02, 0.05, -0.01: mean 0.02, sample std 0.03; t = 0.02 / (0.03 / sqrt 3) = 1.15
+    assert "| new | 0,1,2 | 0.020 ± 0.030 | 0.020 ± 0.030 | 2/3 | +1.15 |" in text
+    assert "| lone |  | n/a | n/a | 0/0 | n/a |" in text          # no seed in common: nothing paired
+    assert main([str(tmp_path / "runs"), "--by-seed", "--paired", "nope", "--out", "-", "--figure", ""]) == 2
+    assert "reference='nope' is not one of the rows" in capsys.readouterr().err
+    assert main([str(tmp_path / "runs"), "--paired", "ref", "--out", "-", "--figure", ""]) == 2
