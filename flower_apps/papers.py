@@ -58,6 +58,13 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A paper's comparison on another dataset: the base overrides and the budget in words."""
+    overrides: dict[str, Any]
+    settings: str
+
+
+@dataclass(frozen=True)
 class Paper:
     name: str
     title: str
@@ -70,6 +77,9 @@ class Paper:
     #: headline-number sections); a method no row reruns yet maps to the issue that adds it
     tables: dict[str, tuple[str, ...]] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)   # method -> why it has no row here
+    #: ``--dataset NAME``: the comparison on another dataset, at the budget chosen for it (base
+    #: overrides, e.g. a training subset) and that budget in words
+    datasets: dict[str, Budget] = field(default_factory=dict)
     rows_by_name: dict[str, Row] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +95,8 @@ class Paper:
         """What ``--list`` prints for this paper: settings, then every table of the paper with
         each method's rows, then the rows with their run-config overrides."""
         lines = [f"{self.name}: {self.title}", f"  settings: {self.settings}", f"  base: {self.base}"]
+        for name, b in self.datasets.items():
+            lines.append(f"  --dataset {name}: {b.overrides} ({b.settings})")
         for table, methods in self.tables.items():
             lines.append(f"  {table}:")
             for _, m, rows in (c for c in self.coverage() if c[0] == table):
@@ -135,6 +147,11 @@ PAPERS: dict[str, Paper] = {
               Row("semisfl-T-all", {"algo": "semisfl", "semisfl.supcon-queue-positives": "all"},
                   "probe: T with every same-label queue entry a positive (the literal Eq. 3, this "
                   "library's default before 2026-11-23)", probe=True)),
+        datasets={"fashion-mnist": Budget(
+            {"dataset": "fashion-mnist"},
+            "the full Fashion-MNIST (59,500 unlabeled images over the 10 clients, 10,000 test images) at the "
+            "MNIST-5k budget: every row's steps per round are fixed (K_s, K_u, server steps), so the data size "
+            "changes no row's compute")},
         supernodes=10,
         tables={"Tables II, IV, V": ("Supervised-only", "SemiFL", "FedMatch", "FedSwitch", "FedSwitch-SL", "Semi-SFL"),
                 "K_s controller ablation (§8)": ("w/ K_s controller", "w/o K_s controller")},
@@ -182,6 +199,10 @@ PAPERS: dict[str, Paper] = {
                   "probe: the authors' net from the same warm start", probe=True),
               Row("ssfl-gn-warm-cutout7", {"algo": "ssfl", "norm": "gn", "ssfl.warm-start-steps": 240, "cutout": 7},
                   "probe: the same warm start with a 7-px Cutout", probe=True)),
+        datasets={"fashion-mnist": Budget(
+            {"dataset": "fashion-mnist"},
+            "the full Fashion-MNIST (59,000 user images, 1,000 server labels, 10,000 test images) at the MNIST-5k "
+            "budget: T = 16 steps per party per round whatever the data size")},
         supernodes=10,
         tables={"design ablation (§9)": ("self-training", "CRL+BN", "CRL+GN", "CRL+GN+grouping"),
                 "Table 3": ("supervised FedAvg", "DataSharing", "ours (no user labels)"),
@@ -202,6 +223,12 @@ PAPERS: dict[str, Paper] = {
               Row("fed-pseudo", {"algo": "fed-pseudo"}),
               Row("fed-mt", {"algo": "fed-mt"}),
               Row("fed-sl", {"algo": "fed-sl"}, "labeled-only FedAvg"),
+              Row("fed-sl-matched", {"algo": "fed-sl", "fedshvr.steps": "matched"},
+                  "labeled-only FedAvg at the semi-supervised rows' tau_k (cycling each client's 60 labels)",
+                  probe=True),
+              Row("fed-pseudo-uniform", {"algo": "fed-pseudo", "fedshvr.weighting": "uniform"},
+                  "Fed-Pseudo with omega_k = 1/K instead of N_k + M_k (the paper's weights did not survive; "
+                  "the spec's recommendation is N_k + M_k)", probe=True),
               Row("fedshvr-no-vr", {"algo": "fedshvr-no-vr"}, "ablation: no correction d_k"),
               Row("fedshvr-no-nova", {"algo": "fedshvr-no-nova"}, "ablation: plain averaging"),
               Row("fed-pseudo+dk", {"algo": "fedshvr", "fedshvr.alpha1": 0.0, "fedshvr.alpha2": 0.0,
@@ -210,6 +237,11 @@ PAPERS: dict[str, Paper] = {
               Row("fed-pseudo+nova", {"algo": "fedshvr", "fedshvr.alpha1": 0.0, "fedshvr.alpha2": 0.0,
                                       "fedshvr.correction": False},
                   "probe: Fed-Pseudo with FedNova averaging instead of plain averaging", probe=True)),
+        datasets={"fashion-mnist": Budget(
+            {"dataset": "fashion-mnist", "train-size": 10000, "partition-alpha": 5.0},
+            "a stratified 10,000-image subset of Fashion-MNIST (600 labels, about 9,300 unlabeled over the 10 "
+            "clients); unlabeled sizes Dir_10(5), which gives tau_k = 37-80 and a largest-to-smallest ratio of "
+            "1.86 / 2.11 / 1.87 (seeds 0-2) against the paper's 270-500 (1.85); 40 rounds of E = 2 epochs")},
         supernodes=10,
         expected="Fed-SHVR >= Fed-MT, Fed-Pseudo > labeled-only FedAvg; removing d_k or FedNova hurts",
         settings="plain SGD lr 0.01, B_l = B_u = 32, E = 2, K = 10, MLP, alpha1 0.75, alpha2 0.1, alpha0 "
@@ -246,6 +278,12 @@ PAPERS: dict[str, Paper] = {
                   "probe: local-only at 100x the paper's lr", probe=True),
               *(Row(f"{a}-lr0.01", {"algo": a, "lr": 0.01}, f"probe: {a} at 100x the paper's lr", probe=True)
                 for a in ("fedavg-sl", "fedprox-sl", "fedbn-sl", "fixbn", "lg-fedavg-fix", "pfedme-fix"))),
+        datasets={"fashion-mnist": Budget(
+            {"dataset": "fashion-mnist", "train-size": 12000, "fraction-train": 0.5, "num-rounds": 40},
+            "the paper's participation, scaled down: a stratified 12,000-image subset over K = 20 clients "
+            "(600 per client, the paper's 60,000 / 100), 10 clients per round (the paper's 10% of 100) for 40 "
+            "rounds: 20 participations per client of one epoch, about 9 steps of 64 (the paper: about 20 of "
+            "about 9)")},
         supernodes=20,
         tables={"Table 1": ("FedAvg-SL", "FedProx-SL", "FedBN-SL", "FixAvg", "FixProx", "FixBN", "FedPer", "LG-FedAvg",
                             "pFedMe", "UM-pFSSL")},
@@ -303,6 +341,10 @@ PAPERS: dict[str, Paper] = {
                   "Table IV, full-model FL: K = 5 clusters by K-means on the nodes' label distributions; rounds "
                   "1-15 FedAvg within each cluster, rounds 16-30 a head over the 5 concatenated encoders "
                   "(initialised from the cluster heads); I = 10 local steps on batches of 32", label="FedConcat")),
+        datasets={"fashion-mnist": Budget(
+            {"dataset": "fashion-mnist"},
+            "the full Fashion-MNIST at the MNIST-5k budget: I = 10 iterations of B = 160 per round whatever the "
+            "data size")},
         supernodes=20,
         tables={"Table II": ("SplitFedV1", "CA-SFL", "LLA-SFL", "SCALA"),
                 "Table III": ("FedAvg", "FedProx", "FedLC", "FedCBS", "SplitFedV1", "SplitFedV2", "SFLLocalLoss",
@@ -445,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. --set system=semisfl model=alexnet cut=conv5")
     ap.add_argument("--target", type=float, default=None,
                     help="also tabulate the time (simulated where a system is set) and bytes to this accuracy")
+    ap.add_argument("--dataset", default="", metavar="NAME",
+                    help="rerun the comparison on another dataset at the budget the paper records for it "
+                         "(--list shows them; results in results/papers/<paper>-<NAME>)")
     ap.add_argument("--paired", default="", metavar="ROW",
                     help="also tabulate every row's per-seed differences from this row (paired over seeds)")
     ap.add_argument("--list", action="store_true",
@@ -460,14 +505,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows {unknown} not in {args.paper}'s rows: "
               f"{', '.join(PAPERS[args.paper].rows_by_name)}", file=sys.stderr)
         return 2
+    paper = PAPERS[args.paper]
+    if args.dataset and args.dataset not in paper.datasets:
+        print(f"error: --dataset {args.dataset!r}: {args.paper} has a budget for "
+              f"{', '.join(paper.datasets) or 'no other dataset'}", file=sys.stderr)
+        return 2
     if args.paired and args.rows and args.paired not in args.rows:
         print(f"error: --paired {args.paired!r} is not one of the --rows", file=sys.stderr)
         return 2
     from tasks.config import ConfigError
 
     try:
-        run_paper(args.paper, args.seeds, Path(args.out) if args.out else None, args.engine, args.rows, args.rounds,
-                  sets=parse_sets(args.set), target=args.target, paired=args.paired)
+        sets = {**(paper.datasets[args.dataset].overrides if args.dataset else {}), **parse_sets(args.set)}
+        out = Path(args.out) if args.out else (Path("results") / "papers" / f"{args.paper}-{args.dataset}"
+                                               if args.dataset else None)
+        run_paper(args.paper, args.seeds, out, args.engine, args.rows, args.rounds,
+                  sets=sets, target=args.target, paired=args.paired)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

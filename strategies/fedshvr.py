@@ -155,6 +155,10 @@ class FedSHVRConfig:
     ema_decay: float = knob(0.99, lo=0.0, hi=1.0, help="mean-teacher EMA decay (fed-mt)")
     augment: str = knob("none", choices=("none", "weak"), help="input augmentation for local training")
     weighting: str = knob("size", choices=("size", "uniform"), help="omega_k: N_k + M_k, or 1/K")
+    steps: str = knob("own", choices=("own", "matched"),
+                      help="tau_k: the algorithm's own ('own': fed-sl sweeps only its labeled set), or 'matched': "
+                           "ceil(max(M_k E / B_u, N_k E / B_l)) for every algorithm, so fed-sl takes as many steps "
+                           "(cycling its labels) as the semi-supervised rows")
 
 
 # --------------------------------------------------------------------------- the rules
@@ -168,12 +172,13 @@ def alpha0_at(cfg: FedSHVRConfig, server_round: int, local_epochs: int) -> float
 
 
 def num_steps(task, cfg: FedSHVRConfig, n_labeled: int, n_unlabeled: int) -> int:
-    """tau_k = ceil(max(M_k E / B_u, N_k E / B_l)) (spec §4 [S]); ``local-steps`` > 0 overrides."""
+    """tau_k = ceil(max(M_k E / B_u, N_k E / B_l)) (spec §4 [S]); ``fed-sl`` (no unlabeled term) sweeps its
+    labeled set only, ceil(N_k E / B_l), unless ``steps='matched'``; ``local-steps`` > 0 overrides."""
     if task.local_steps > 0:
         return int(task.local_steps)
     e = task.local_epochs
     need = math.ceil(n_labeled * e / task.batch_size)
-    if cfg.unsup_loss != "none":
+    if cfg.unsup_loss != "none" or cfg.steps == "matched":
         need = max(need, math.ceil(n_unlabeled * e / cfg.unlabeled_batch_size))
     return max(1, int(need))
 

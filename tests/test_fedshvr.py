@@ -151,6 +151,8 @@ def test_tau_k_formula_and_config_errors():
     assert fs.num_steps(task, cfg, 60, 5940) == math.ceil(5940 * 2 / 32) == 372  # paper: ~371 IID
     assert fs.num_steps(task, cfg, 60, 10) == math.ceil(60 * 2 / 32)
     assert fs.num_steps(task, get_algorithm("fed-sl").parse_config({}), 60, 5940) == 4  # labeled only
+    # fed-sl at the semi-supervised rows' step count: as many steps, cycling its 60 labels
+    assert fs.num_steps(task, get_algorithm("fed-sl").parse_config({"fedshvr.steps": "matched"}), 60, 5940) == 372
     assert fs.num_steps(TaskConfig(local_steps=7), cfg, 60, 5940) == 7
     for bad, needle in [({"fedshvr.unsup-loss": "mixmatch"}, "fedshvr.unsup-loss='mixmatch' is not one of"),
                         ({"fedshvr.alpha1": -0.1}, "fedshvr.alpha1=-0.1 is out of range"),

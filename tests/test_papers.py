@@ -27,6 +27,19 @@ def test_every_row_is_a_valid_run_at_the_papers_settings(paper, tmp_path):
         assert cfg1["seed"] == 1 and cfg1["run-name"] == f"{row.name}-s1"
 
 
+@pytest.mark.parametrize("paper", sorted(PAPERS))
+def test_every_paper_has_a_fashion_mnist_budget_whose_rows_are_valid(paper, tmp_path):
+    """``--dataset fashion-mnist``: every paper records the budget of its Fashion-MNIST rerun, and every
+    row is a valid run there (the pre-flight checks do not read the data)."""
+    p = PAPERS[paper]
+    budget = p.datasets["fashion-mnist"]
+    assert budget.overrides["dataset"] == "fashion-mnist" and budget.settings
+    for row in p.rows:
+        cfg, explicit = row_config(p, row, 0, tmp_path, sets=budget.overrides)
+        assert all(cfg[k] == v for k, v in budget.overrides.items() if k not in row.overrides)
+        preflight(parse_run_config(cfg, explicit), p.supernodes)
+
+
 def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
     logs = []
     out = run_paper("fedshvr", seeds=[0, 1], out=tmp_path, rows=["fed-sl"], rounds=2, log=logs.append)
@@ -47,6 +60,10 @@ def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
 def test_cli_errors(capsys):
     assert main(["scala", "--rows", "nope"]) == 2
     assert "not in scala's rows" in capsys.readouterr().err
+    assert main(["scala", "--dataset", "cifar10"]) == 2
+    assert "--dataset 'cifar10': scala has a budget for fashion-mnist" in capsys.readouterr().err
+    assert main(["scala", "--rows", "scala", "--paired", "fedavg"]) == 2
+    assert "--paired 'fedavg' is not one of the --rows" in capsys.readouterr().err
     assert main(["--list"]) == 0
     assert "splitfed-v2" in capsys.readouterr().out
 
