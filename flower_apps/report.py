@@ -372,6 +372,36 @@ def paired_table(groups: list[SeedGroup], reference: str, metric: str = "accurac
     return "\n".join(lines) + "\n"
 
 
+def onset_table(runs: list[Run], metric: str = "accuracy", after: int = 3) -> str:
+    """Where runs report the per-class histogram of the users' confident pseudo-labels
+    (``pseudo-hist``, e.g. SSFL with label-metric consent): per run, the first round with a
+    confident pseudo-label (the onset), how many classes it holds and the largest class's share,
+    the classes held ``after`` rounds later, and ``metric`` just before the onset, at its lowest
+    from the onset on, and at the end. A run with no confident pseudo-label shows "none"."""
+    head = ["run", "onset round", "classes at onset", "main class : share", f"classes {after} rounds later",
+            f"{metric} before onset", f"lowest {metric} from onset", f"final {metric}"]
+    lines = [f"Onset of the first confident pseudo-labels ({metric}):\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        hist = [(int(row["round"]), row["pseudo-hist"]) for row in r.rows
+                if isinstance(row.get("pseudo-hist"), list) and sum(row["pseudo-hist"]) > 0]
+        acc = dict(r.series(metric))
+        final = _num(acc[max(acc)], 3) if acc else "n/a"
+        if not hist:
+            lines.append("| " + " | ".join([r.name, "none", "", "", "", "", "", final]) + " |")
+            continue
+        t0, h0 = hist[0]
+        later = dict(hist).get(t0 + after)
+        main = max(range(len(h0)), key=lambda c: h0[c])
+        before = acc.get(t0 - 1)
+        low = min((v for k, v in acc.items() if k >= t0), default=math.nan)
+        lines.append("| " + " | ".join([
+            r.name, str(t0), str(sum(v > 0 for v in h0)), f"{main} : {h0[main] / sum(h0):.2f}",
+            "n/a" if later is None else str(sum(v > 0 for v in later)),
+            "n/a" if before is None else _num(before, 3), _num(low, 3), final]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def mean_cost_curve(g: SeedGroup, metric: str = "accuracy") -> tuple[list[float], list[float], list[float]]:
     """Per round all seeds reached: mean time (:meth:`Run.clock`), mean cumulative MB and mean ``metric``."""
     per = []
@@ -478,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and a figure of accuracy against time and bytes (<figure>-cost.png)")
     ap.add_argument("--reference", default="",
                     help="with --target: the row (a run or seed-group label) the time and bytes are divided by")
+    ap.add_argument("--onset", action="store_true",
+                    help="a table of when the users' first confident pseudo-labels appear, over how many classes "
+                         "(runs that report pseudo-hist, e.g. SSFL), and the accuracy around it")
     ap.add_argument("--paired", default="",
                     help="with --by-seed: a table of every row's per-seed differences from this row")
     args = ap.parse_args(argv)
@@ -495,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.onset:
+        table += "\n" + onset_table(runs, args.metric)
     if args.paired:
         if not groups:
             print("error: --paired needs --by-seed", file=sys.stderr)

@@ -80,3 +80,20 @@ def test_paired_differences_seed_by_seed(tmp_path, capsys):
     assert main([str(tmp_path / "runs"), "--by-seed", "--paired", "nope", "--out", "-", "--figure", ""]) == 2
     assert "reference='nope' is not one of the rows" in capsys.readouterr().err
     assert main([str(tmp_path / "runs"), "--paired", "ref", "--out", "-", "--figure", ""]) == 2
+
+
+def test_onset_of_the_first_confident_pseudo_labels(tmp_path):
+    """``--onset``: the first round with a confident pseudo-label, its classes and main share, the
+    classes 3 rounds later and the accuracy around it; a run without any shows 'none'."""
+    rows = [{"round": 1, "accuracy": 0.5}, {"round": 2, "accuracy": 0.7, "pseudo-hist": [0.0, 0.0, 0.0]},
+            {"round": 3, "accuracy": 0.72, "pseudo-hist": [0.0, 30.0, 10.0]}, {"round": 4, "accuracy": 0.4},
+            {"round": 5, "accuracy": 0.1, "pseudo-hist": [0.0, 90.0, 0.0]},
+            {"round": 6, "accuracy": 0.2, "pseudo-hist": [0.0, 99.0, 0.0]}]
+    for name, rs in (("a", rows), ("b", [{"round": 1, "accuracy": 0.6}])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    out = tmp_path / "r.md"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--onset", "--out", str(out), "--figure", ""]) == 0
+    text = out.read_text()
+    assert "| a | 3 | 2 | 1 : 0.75 | 1 | 0.700 | 0.100 | 0.200 |" in text
+    assert "| b | none |  |  |  |  |  | 0.600 |" in text
