@@ -452,8 +452,8 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
 
 def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None,
                  paired: str = "") -> str:
-    from flower_apps.report import (paired_table, plot_cost, plot_seed_groups, read_run, seed_groups, seed_table,
-                                    target_table)
+    from flower_apps.report import (onset_table, paired_table, plot_cost, plot_seed_groups, read_run, seed_groups,
+                                    seed_table, target_table)
 
     runs = [read_run(out / f"{r}-s{s}") for r in rows for s in seeds if (out / f"{r}-s{s}" / "metrics.jsonl").exists()]
     groups = seed_groups(runs)
@@ -463,6 +463,8 @@ def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float 
         table += "\n" + target_table(groups, target)
     if paired:   # every row against one, seed by seed
         table += "\n" + paired_table(groups, paired)
+    if any("pseudo-hist" in row for r in runs for row in r.rows):   # SSFL: when the first confident labels come
+        table += "\n" + onset_table(runs)
     text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
