@@ -347,6 +347,12 @@ def _need(name: str, image_size: int, ok: bool, minimum: int) -> None:
         raise ValueError(f"image_size={image_size} is too small for model {name!r} (minimum {minimum})")
 
 
+def _pool_at_most(side: int, cap: int) -> tuple[list[nn.Module], int]:
+    """An adaptive average pool to ``cap`` x ``cap`` where a flattening model's map is larger
+    (large inputs), else nothing; returns the modules and the side after them."""
+    return ([nn.AdaptiveAvgPool2d(cap)], cap) if side > cap else ([], side)
+
+
 def _config(**kw) -> dict:
     return dict(kw)
 
@@ -361,9 +367,7 @@ def cnn(*, in_channels: int, num_classes: int, image_size: int, norm: str = "bn"
     s = (image_size - 4) // 2
     s = (s - 4) // 2
     _need("cnn", image_size, s >= 1, 16)
-    pool: list[nn.Module] = []
-    if s > 5:
-        pool, s = [nn.AdaptiveAvgPool2d(5)], 5
+    pool, s = _pool_at_most(s, 5)
     stages = [
         ("conv1", nn.Sequential(*_conv_block(in_channels, 32, norm, kernel=5, padding=0), nn.MaxPool2d(2))),
         ("conv2", nn.Sequential(*_conv_block(32, 64, norm, kernel=5, padding=0), nn.MaxPool2d(2))),
@@ -383,9 +387,7 @@ def cnn_afo(*, in_channels: int, num_classes: int, image_size: int, norm: str = 
     _check_common(in_channels, num_classes, image_size, norm, dropout)
     s = (image_size - 4) // 2
     _need("cnn-afo", image_size, s >= 1, 6)
-    pool: list[nn.Module] = []
-    if s > 12:
-        pool, s = [nn.AdaptiveAvgPool2d(12)], 12
+    pool, s = _pool_at_most(s, 12)
     stages = [
         ("conv1", nn.Sequential(*_conv_block(in_channels, 32, norm, kernel=3, padding=0))),
         ("conv2", nn.Sequential(*_conv_block(32, 64, norm, kernel=3, padding=0), nn.MaxPool2d(2),
@@ -423,9 +425,7 @@ def alexnet(*, in_channels: int, num_classes: int, image_size: int, norm: str = 
     _check_common(in_channels, num_classes, image_size, norm, dropout)
     s = image_size // 2 // 2 // 2
     _need("alexnet", image_size, s >= 1, 8)
-    pool: list[nn.Module] = []
-    if s > 4:
-        pool, s = [nn.AdaptiveAvgPool2d(4)], 4
+    pool, s = _pool_at_most(s, 4)
     stages = [
         ("conv1", nn.Sequential(*_conv_block(in_channels, 32, norm), nn.MaxPool2d(2))),
         ("conv2", nn.Sequential(*_conv_block(32, 64, norm), nn.MaxPool2d(2))),
