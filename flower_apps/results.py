@@ -145,6 +145,9 @@ class RunFolder:
                           if k not in RESUMABLE_KEYS and k not in new_at_default and old.get(k) != config.get(k))
             if diff:
                 raise ValueError(f"resume=true but the run config differs from {cfg_path} in: {', '.join(diff)}")
+            if new_at_default:   # the folder says what runs: the new knobs at their defaults
+                atomic_write_bytes(cfg_path, json.dumps({**old, **{k: config[k] for k in new_at_default}},
+                                                        indent=2, sort_keys=True).encode())
             done = self.last_checkpoint_round()
             self.truncate_metrics(done)
             return done

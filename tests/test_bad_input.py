@@ -16,6 +16,7 @@ id is in the test name or parameter id).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, get_type_hints
 
 import pytest
@@ -247,11 +248,13 @@ def test_resume_mistakes(tmp_path):
     assert f.start({"lr": 0.1, "num-rounds": 3}, resume=True) == 0  # num-rounds may grow
     # a knob the library gained after the run started: fine at its default, a difference otherwise
     d = {"lr": 0.05, "cutout": -1}
-    assert f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True, defaults=d) == 0
+    with pytest.raises(ValueError, match="differs from .* in: cutout"):
+        f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True)          # default unknown
     with pytest.raises(ValueError, match="differs from .* in: cutout"):
         f.start({"lr": 0.1, "num-rounds": 3, "cutout": 7}, resume=True, defaults=d)
-    with pytest.raises(ValueError, match="differs from .* in: cutout"):
-        f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True)
+    assert f.start({"lr": 0.1, "num-rounds": 3, "cutout": -1}, resume=True, defaults=d) == 0
+    # the folder's config then says what runs (the report groups it with runs that had the knob)
+    assert json.loads((tmp_path / "r" / "config.json").read_text()) == {"lr": 0.1, "num-rounds": 2, "cutout": -1}
 
 
 def test_supernode_without_node_config():
