@@ -419,9 +419,13 @@ def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path
 
 def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",
               rows: list[str] | None = None, rounds: int | None = None, log=print,
-              sets: dict[str, Any] | None = None, target: float | None = None, paired: str = "") -> Path:
-    """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``."""
+              sets: dict[str, Any] | None = None, target: float | None = None, paired: str = "",
+              dataset: str = "") -> Path:
+    """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``.
+    ``dataset``: one of the paper's :attr:`Paper.datasets`, whose budget goes under ``sets``."""
     paper = PAPERS[name]
+    if dataset:
+        sets = {**paper.datasets[dataset].overrides, **(sets or {})}
     out = Path(out or Path("results") / "papers" / name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FLOWER_SSL_STATE_DIR", str(out / ".node-state"))
@@ -445,13 +449,13 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
             log(f"[{name}] {folder.name}: {'resuming after round ' + str(done) if done else 'running'}")
             run_one(cfg, explicit, paper.supernodes, engine)
             log(f"[{name}] {folder.name}: {time.time() - t0:.0f} s")
-    write_report(paper, out, [r.name for r in chosen], seeds, target, paired)
+    write_report(paper, out, [r.name for r in chosen], seeds, target, paired, dataset)
     log(f"[{name}] report: {out / 'report.md'} ({time.time() - t_all:.0f} s)")
     return out
 
 
 def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None,
-                 paired: str = "") -> str:
+                 paired: str = "", dataset: str = "") -> str:
     from flower_apps.report import (onset_table, paired_table, plot_cost, plot_seed_groups, read_run, seed_groups,
                                     seed_table, target_table)
 
@@ -465,7 +469,9 @@ def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float 
         table += "\n" + paired_table(groups, paired)
     if any("pseudo-hist" in row for r in runs for row in r.rows):   # SSFL: when the first confident labels come
         table += "\n" + onset_table(runs)
-    text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.\n\nPaper's ordering: {paper.expected}.\n"
+    on = (f"\n\nOn {dataset} (`--dataset {dataset}`: {paper.datasets[dataset].overrides}): "
+          f"{paper.datasets[dataset].settings}." if dataset else "")
+    text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.{on}\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
     plot_seed_groups(groups, out / "report.png", title=paper.title)
@@ -518,11 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import ConfigError
 
     try:
-        sets = {**(paper.datasets[args.dataset].overrides if args.dataset else {}), **parse_sets(args.set)}
         out = Path(args.out) if args.out else (Path("results") / "papers" / f"{args.paper}-{args.dataset}"
                                                if args.dataset else None)
         run_paper(args.paper, args.seeds, out, args.engine, args.rows, args.rounds,
-                  sets=sets, target=args.target, paired=args.paired)
+                  sets=parse_sets(args.set), target=args.target, paired=args.paired, dataset=args.dataset)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
