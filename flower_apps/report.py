@@ -394,6 +394,8 @@ def onset_table(runs: list[Run], metric: str = "accuracy", after: int = 3) -> st
         later = dict(hist).get(t0 + after)
         main = max(range(len(h0)), key=lambda c: h0[c])
         before = acc.get(t0 - 1)
+        if before is None and r.rows and isinstance(r.rows[0].get("warm-accuracy"), (int, float)):
+            before = float(r.rows[0]["warm-accuracy"])   # onset in round 1: the warm-started model's
         low = min((v for k, v in acc.items() if k >= t0), default=math.nan)
         lines.append("| " + " | ".join([
             r.name, str(t0), str(sum(v > 0 for v in h0)), f"{main} : {h0[main] / sum(h0):.2f}",

@@ -97,3 +97,8 @@ def test_onset_of_the_first_confident_pseudo_labels(tmp_path):
     text = out.read_text()
     assert "| a | 3 | 2 | 1 : 0.75 | 1 | 0.700 | 0.100 | 0.200 |" in text
     assert "| b | none |  |  |  |  |  | 0.600 |" in text
+    (tmp_path / "w").mkdir()   # onset in round 1 of a warm-started run: 'before' is the warm model's accuracy
+    (tmp_path / "w" / "metrics.jsonl").write_text(json.dumps(
+        {"round": 1, "accuracy": 0.3, "warm-accuracy": 0.8, "pseudo-hist": [5.0, 5.0]}) + "\n")
+    assert main([str(tmp_path / "w"), "--onset", "--out", str(out), "--figure", ""]) == 0
+    assert "| w | 1 | 2 | 0 : 0.50 | n/a | 0.800 | 0.300 | 0.300 |" in out.read_text()
