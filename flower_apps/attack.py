@@ -104,7 +104,7 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
     if the_cut not in model.cut_points:
         raise ConfigError(f"cut={the_cut!r} is not a cut point of model={task.model!r}; allowed: "
                           f"{', '.join(model.cut_points)}")
-    dev = resolve_device(device or task.device)
+    dev = resolve_device(device or task.device, task.deterministic)
     model = model.to(dev)
     bottom, _ = split_model(model, the_cut)
     aug = make_augmenter(bundle)

@@ -196,7 +196,7 @@ def preflight(parsed: ParsedConfig, num_partitions: int | None = None) -> None:
             if value:
                 raise ConfigError(f"{key}={value!r} does not apply to the embedded dataset={task.dataset!r}; "
                                   f"it selects a split/column of a Hugging Face or local dataset")
-    resolve_device(task.device)
+    resolve_device(task.device, task.deterministic)
     try:
         bundle = load_bundle(task)
     except ConfigError:

@@ -113,7 +113,13 @@ def feature_shape(bottom: nn.Module, input_shape: tuple[int, ...], device: torch
     """The shape of the bottom's output (the features that cross the cut) for one input of
     ``input_shape`` (``(C, H, W)``), without the batch dimension. Measured in eval mode (no
     BatchNorm statistics updated, no dropout draw) and without a graph; the bottom's mode is
-    restored."""
+    restored. ``device``: where the probe input is made (default: where the bottom's first
+    parameter or buffer lives, so a bottom already on a GPU is measured there)."""
+    if device is None:
+        first = next(iter(bottom.parameters()), None)
+        if first is None:
+            first = next(iter(bottom.buffers()), None)
+        device = first.device if first is not None else None
     was = bottom.training
     bottom.eval()
     try:

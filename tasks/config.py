@@ -192,6 +192,10 @@ class TaskConfig:
     momentum: float = knob(0.9, lo=0.0, hi=1.0, hi_open=True, help="SGD momentum")
     weight_decay: float = knob(0.0, lo=0.0, help="SGD weight decay")
     device: str = knob("auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
+    deterministic: bool = knob(True, help="on CUDA: PyTorch's deterministic algorithms (cuDNN's deterministic "
+                                          "kernels, no autotuning), so one seed gives the same weights run after "
+                                          "run and a resumed run equals an uninterrupted one; false lets cuDNN "
+                                          "pick the fastest kernels (faster, not bitwise reproducible)")
 
     def validate(self) -> None:
         if self.local_epochs == 0 and self.local_steps == 0:

@@ -184,7 +184,7 @@ def library_env(task: TaskConfig, num_partitions: int, label_mode: str, with_tes
         return build_model(task.model, in_channels=bundle.in_channels, num_classes=bundle.num_classes,
                            image_size=bundle.image_size, norm=task.norm, dropout=task.dropout)
 
-    return Env(task, resolve_device(task.device), make_augmenter(bundle, task), bundle.num_classes, model_fn, data,
+    return Env(task, resolve_device(task.device, task.deterministic), make_augmenter(bundle, task), bundle.num_classes, model_fn, data,
                partition_id, num_partitions, plan, bundle)
 
 
@@ -235,5 +235,5 @@ def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data:
         if not ys:
             raise ConfigError("num_classes is needed when no labeled or test data is given (num_classes=...)")
         num_classes = int(max(int(y.max()) for y in ys)) + 1
-    return Env(task, resolve_device(task.device), augmenter, int(num_classes), model_fn, data,
+    return Env(task, resolve_device(task.device, task.deterministic), augmenter, int(num_classes), model_fn, data,
                partition_id, num_partitions, seeded_init=False)

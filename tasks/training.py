@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -40,13 +41,36 @@ def seeded(seed: int, device: torch.device | None = None):
         yield
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, deterministic: bool = True) -> torch.device:
+    """The torch device of the run config's ``device`` (``auto``: CUDA where available).
+
+    On CUDA, ``deterministic`` (the run config's ``deterministic``) sets PyTorch's
+    deterministic mode for this process: ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` (an op without a deterministic kernel warns instead of failing),
+    cuDNN's deterministic kernels and no cuDNN autotuning, and ``CUBLAS_WORKSPACE_CONFIG``
+    (``:4096:8``, where not set) as cuBLAS needs it. Without it the same seed gives weights
+    that differ run to run on a GPU (cuDNN's convolution backward sums in a varying order),
+    which a paired comparison, a resume and the equivalence tests cannot tell from a real
+    difference. ``False`` turns the mode off again (faster kernels). On the CPU nothing is
+    changed: its kernels are deterministic already."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available here; use device='auto' or 'cpu'")
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={name!r} but CUDA is not available here; use device='auto' or 'cpu'")
+    if dev.type == "cuda":
+        set_cuda_determinism(deterministic)
     return dev
+
+
+def set_cuda_determinism(on: bool) -> None:
+    """PyTorch's deterministic mode for CUDA on (see :func:`resolve_device`) or off."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(bool(on), warn_only=True)
+    torch.backends.cudnn.deterministic = bool(on)
+    torch.backends.cudnn.benchmark = not on
 
 
 def load_numpy_state(model: torch.nn.Module, state: dict[str, np.ndarray], strict: bool = True) -> None:

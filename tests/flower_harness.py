@@ -149,7 +149,8 @@ def flwr_cli(args: list[str], env: dict[str, str], timeout: float = 600, cwd: Pa
 def max_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two state dicts of torch tensors (same keys)."""
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+    return max(float((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max()) if a[k].numel() else 0.0
+               for k in a)
 
 
 def split_reference(task, k: int):

@@ -367,13 +367,36 @@ def test_errors_name_the_key():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_cuda_matches_cpu():
+    """The same seed draws the same augmentation on CUDA as on the CPU (every draw is made on the
+    CPU): the weak view (integer crop offsets and flips) and Cutout are equal to the pixel; the
+    strong view's RandAugment kernels (bilinear/nearest resampling, blends) run on the device and
+    agree up to rounding, a level or two of 255 on a few pixels, not a different draw (which
+    changes most pixels)."""
     aug = Augmenter(3, 32, flip=True)
-    x = _batch(3, 32)
+    x = _batch(3, 32, b=64)
     torch.manual_seed(4)
-    a = aug.strong(x)
+    a = aug.weak_uint8(x)
     torch.manual_seed(4)
-    b = aug.strong(x.cuda())
-    assert b.device.type == "cuda" and torch.allclose(a, b.cpu())
+    b = aug.weak_uint8(x.cuda())
+    assert b.device.type == "cuda" and torch.equal(a, b.cpu())
+    no_ops = Augmenter(3, 32, flip=True, num_ops=0)
+    torch.manual_seed(5)
+    a = no_ops.strong_uint8(x)
+    torch.manual_seed(5)
+    assert torch.equal(a, no_ops.strong_uint8(x.cuda()).cpu())
+    torch.manual_seed(4)
+    a = aug.strong_uint8(x).int()
+    torch.manual_seed(4)
+    b = aug.strong_uint8(x.cuda()).cpu().int()
+    off = (a - b).abs()
+    print(f"strong view, CUDA vs CPU: {float((off > 0).float().mean()):.4%} of pixels differ, "
+          f"{float((off > 2).float().mean()):.4%} by more than 2 levels, at most {int(off.max())}")
+    assert float((off > 2).float().mean()) < 0.01
+    torch.manual_seed(4)
+    c = aug.strong(x)
+    torch.manual_seed(4)
+    d = aug.strong(x.cuda()).cpu()
+    assert d.dtype == c.dtype and float((c - d).abs().mean()) < 0.01
 
 
 def test_run_config_cutout_sets_the_square_side():

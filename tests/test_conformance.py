@@ -291,7 +291,7 @@ def test_conformance_resume_equals_uninterrupted(algo, tmp_path):
 def test_conformance_accelerator_placement(algo, monkeypatch):
     from tests.accel_emulation import DEVICE, emulated_accelerator
 
-    monkeypatch.setattr(task_env, "resolve_device", lambda name: DEVICE)
+    monkeypatch.setattr(task_env, "resolve_device", lambda name, deterministic=True: DEVICE)
     s, grid = build(algo)
     with emulated_accelerator() as mode:
         res, rows = run(s, grid, rounds=1)

@@ -27,7 +27,7 @@ def _mlp(seed: int) -> nn.Module:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy().astype(np.float64)
+    return t.detach().cpu().numpy().astype(np.float64)
 
 
 # ------------------------------------------------------------------------- the concatenated model
@@ -61,7 +61,7 @@ def test_head_initialised_from_the_cluster_heads_sums_the_cluster_models_logits(
     f1, f2 = _mlp(3), _mlp(4)
     x = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.7], [0.0, 0.0, 1.0]])
     want = _np(f1(x)) + _np(f2(x))
-    heads = [{"weight": f[2].weight.detach().numpy(), "bias": f[2].bias.detach().numpy()} for f in (f1, f2)]
+    heads = [{"weight": f[2].weight.detach().cpu().numpy(), "bias": f[2].bias.detach().cpu().numpy()} for f in (f1, f2)]
     init = concat_heads(heads)
     assert init["weight"].shape == (4, 4)
     np.testing.assert_array_equal(init["weight"][:, :2], heads[0]["weight"])
@@ -238,7 +238,7 @@ def test_stage_switch_and_each_stages_aggregation_rule():
     # the evaluated and returned model is the concatenation: 2 encoders and the trained head
     final = s.eval_model()
     assert isinstance(final, ConcatModel) and len(final.encoders) == 2
-    np.testing.assert_array_equal(final.head.weight.detach().numpy(), s.head_state["weight"])
+    np.testing.assert_array_equal(final.head.weight.detach().cpu().numpy(), s.head_state["weight"])
 
 
 def test_default_stage_switch_is_half_the_run_and_histograms_are_the_nodes_label_distributions():

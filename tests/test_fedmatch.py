@@ -75,10 +75,10 @@ def test_kernels_are_found_by_module_type_and_the_split_is_exact():
     s = FedMatchStrategy(model=net, labeled_data=_sets(1), test_data=_sets(2), local_steps=1, batch_size=8)
     given = net.state_dict()
     got = s.eval_model().state_dict()
-    assert all(torch.equal(given[k], got[k]) for k in given)
+    assert all(torch.equal(given[k].cpu(), got[k].cpu()) for k in given)
     sig = dict(s.model.named_parameters())
     assert torch.allclose(s.psi["fc.weight"], 0.2 * sig["fc.weight"], rtol=1e-5)
-    assert torch.equal(sig["fc.bias"], net.fc.bias)                  # not decomposed: unchanged
+    assert torch.equal(sig["fc.bias"].cpu(), net.fc.bias.cpu())                  # not decomposed: unchanged
 
 
 def test_a_model_without_conv_or_linear_is_refused_by_the_constructor():
@@ -167,7 +167,7 @@ def test_kl_consistency_and_the_unsupervised_loss_by_hand():
     logits_s = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 2.0, 1.0]])
     h1 = torch.tensor([[0.6, 0.3, 0.1], [0.3, 0.3, 0.4], [0.0, 0.5, 0.5]])
     h2 = torch.tensor([[0.2, 0.7, 0.1], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]])
-    p = np.exp(logits_w.detach().numpy())
+    p = np.exp(logits_w.detach().cpu().numpy())
     p /= p.sum(1, keepdims=True)
 
     def kl(q, pp):   # sum q (log q - log p), 0 log 0 = 0

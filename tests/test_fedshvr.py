@@ -54,8 +54,8 @@ def test_soft_labels_are_the_simplex_minimiser_with_the_ramped_alpha0():
         a0 = fs.alpha0_at(cfg, t, 2)
         v, p = fs.soft_pseudo_labels(model, data, env.augmenter, a0, cfg.alpha1, env.device)
         for i in range(len(data)):
-            v_num = _numerical_soft_label(p[i].double().numpy(), a0, cfg.alpha1)
-            np.testing.assert_allclose(v[i].double().numpy(), v_num, atol=2e-5)
+            v_num = _numerical_soft_label(p[i].double().cpu().numpy(), a0, cfg.alpha1)
+            np.testing.assert_allclose(v[i].double().cpu().numpy(), v_num, atol=2e-5)
     # fed-pseudo / no-r1: alpha1 = 0 -> hard one-hot labels
     v0, p0 = fs.soft_pseudo_labels(model, data, env.augmenter, 1.0, 0.0, env.device)
     assert torch.equal(v0.argmax(1), p0.argmax(1)) and torch.all(v0.max(1).values == 1.0)
@@ -131,7 +131,7 @@ def _toy(correction: bool, normalized: bool, rounds: int = 60) -> float:
                 opt.zero_grad()
                 (0.5 * a[k] * ((model.x - torch.tensor(b[k])) ** 2).sum()).backward()
                 fs.corrected_step(model, opt, dt)
-            ups[k] = {"x": model.x.detach().numpy().copy()}
+            ups[k] = {"x": model.x.detach().cpu().numpy().copy()}
             if correction:
                 carry[k] = fs.carry_after_round(d, new, ups[k], taus[k], eta)
         glob = new
@@ -195,7 +195,7 @@ def test_invariant_sum_omega_d_is_zero_through_client_and_server(task_identity):
     assert rows[-1]["tau-min"] < rows[-1]["tau-max"]        # heterogeneous tau_k from data sizes
     assert rows[-1]["d-norm"] > 0
     # d_k^{T+1} from every client's stored state and the server's broadcast values
-    new = {k: v.detach().numpy() for k, v in strat.model.state_dict().items()}
+    new = {k: v.detach().cpu().numpy() for k, v in strat.model.state_dict().items()}
     ds, om = [], []
     for ctx in grid.contexts.values():
         st = ctx.state

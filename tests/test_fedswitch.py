@@ -101,8 +101,8 @@ def test_client_step_and_local_teacher_adaptation_by_hand(student_more_confident
     assert out["teacher"] is use_teacher
     assert float(out["loss"]) == pytest.approx(loss, rel=1e-5)
     np.testing.assert_array_equal(out["mask"].numpy(), mask)
-    np.testing.assert_allclose(student.weight.detach().numpy(), W1, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(teacher.weight.detach().numpy(), T1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(student.weight.detach().cpu().numpy(), W1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(teacher.weight.detach().cpu().numpy(), T1, rtol=1e-5, atol=1e-6)
 
 
 def test_no_local_adaptation_leaves_the_teacher_and_iid_ignores_the_student():
@@ -113,7 +113,7 @@ def test_no_local_adaptation_leaves_the_teacher_and_iid_ignores_the_student():
     out = fedswitch_step(student, teacher, x, x, tau=0.0, iid=True, optimizer=torch.optim.SGD(
         student.parameters(), lr=0.1), local_decay=1.0)
     assert out["teacher"] is True
-    np.testing.assert_array_equal(teacher.weight.detach().numpy(), T.astype(np.float32))
+    np.testing.assert_array_equal(teacher.weight.detach().cpu().numpy(), T.astype(np.float32))
     assert out["pseudo"].tolist() == [0, 1]                    # the teacher's argmax
 
 
@@ -144,10 +144,10 @@ def test_server_steps_take_an_ema_after_every_step_by_hand():
         W = W - lr * (p - np.eye(2)[y]).T @ xf / 4
         T = g * T + (1 - g) * W
     assert res["server-steps"] == 2 and res["server-loss"] == pytest.approx(np.mean(losses), rel=1e-5)
-    np.testing.assert_allclose(student[1].weight.detach().numpy(), W, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(teacher[1].weight.detach().numpy(), T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(student[1].weight.detach().cpu().numpy(), W, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(teacher[1].weight.detach().cpu().numpy(), T, rtol=1e-5, atol=1e-6)
     # not the EMA of the final student alone: the per-step EMA is what the teacher holds
-    assert not np.allclose(teacher[1].weight.detach().numpy(), g * T0 + (1 - g) * W, atol=1e-4)
+    assert not np.allclose(teacher[1].weight.detach().cpu().numpy(), g * T0 + (1 - g) * W, atol=1e-4)
 
 
 class _Tiny(nn.Module):
@@ -169,7 +169,7 @@ def test_aggregation_is_the_uniform_mean_then_one_ema_step_by_hand():
     from strategies.fedswitch import FedSwitchStrategy
 
     s = FedSwitchStrategy(model=_Tiny(), labeled_data=_sets(0), test_data=_sets(1), ema_decay=0.75)
-    t0 = {k: v.detach().numpy().copy() for k, v in s.teacher.state_dict().items()}
+    t0 = {k: v.detach().cpu().numpy().copy() for k, v in s.teacher.state_dict().items()}
     rng = np.random.default_rng(2)
     states = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in t0.items()} for _ in range(2)]
 
@@ -182,8 +182,8 @@ def test_aggregation_is_the_uniform_mean_then_one_ema_step_by_hand():
     out = s.aggregate_clients([reply(states[0], 10), reply(states[1], 30)])
     for k, v in s.model.state_dict().items():
         mean = (states[0][k] + states[1][k]) / 2                 # uniform, not 10:30
-        np.testing.assert_allclose(v.numpy(), mean, rtol=1e-6, err_msg=k)
-        np.testing.assert_allclose(s.teacher.state_dict()[k].numpy(), 0.75 * t0[k] + 0.25 * mean,
+        np.testing.assert_allclose(v.cpu().numpy(), mean, rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(s.teacher.state_dict()[k].cpu().numpy(), 0.75 * t0[k] + 0.25 * mean,
                                    rtol=1e-5, atol=1e-6, err_msg=k)
     assert out["teacher-share"] == pytest.approx(0.25)          # reply metrics: by samples seen
     assert out["label-metrics-nodes"] == 0 and "impurity" not in out

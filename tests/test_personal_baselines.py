@@ -48,7 +48,7 @@ def test_fedbn_keeps_every_batchnorm_entry_on_its_node_and_averages_the_rest_uni
     # every down message: no BN entry either
     assert all(not (set(m.content.array_records["arrays"].keys()) & bn) for m in grid.sent
                if "arrays" in m.content.array_records)
-    got = {k: v.numpy() for k, v in s.model.state_dict().items()}
+    got = {k: v.cpu().numpy() for k, v in s.model.state_dict().items()}
     for k in ups[0]:
         uniform = sum(u[k].astype(np.float64) for u in ups) / len(ups)
         weighted = sum(w * u[k].astype(np.float64) for w, u in zip(n_k, ups)) / sum(n_k)
@@ -172,13 +172,13 @@ def test_pfedme_inner_and_outer_steps_match_a_hand_computation():
     moreau_inner_steps(one, [w], lambda: 0.5 * ((one(x) - y) ** 2).sum(), lam=lam, steps=1, lr=plr, weight_decay=wd)
     # by hand: theta.x - y = -2.5, grad f = (-2.5, -5), lambda (theta - w) = (4.5, -19.5),
     # wd theta = (0.05, -0.1): theta_1 = (0.5, -1) - 0.01 (2.05, -24.6) = (0.4795, -0.754)
-    np.testing.assert_allclose(one.weight.detach().numpy()[0], [0.4795, -0.754], rtol=1e-6)
+    np.testing.assert_allclose(one.weight.detach().cpu().numpy()[0], [0.4795, -0.754], rtol=1e-6)
     moreau_inner_steps(theta, [w], loss_fn, lam=lam, steps=2, lr=plr, weight_decay=wd)
     th, wv, xv = np.array([0.5, -1.0]), np.array([0.2, 0.3]), np.array([1.0, 2.0])
     for _ in range(2):
         grad = (th @ xv - 1.0) * xv
         th = th - plr * (grad + lam * (th - wv) + wd * th)
-    np.testing.assert_allclose(theta.weight.detach().numpy()[0], th, rtol=1e-6)
+    np.testing.assert_allclose(theta.weight.detach().cpu().numpy()[0], th, rtol=1e-6)
     np.testing.assert_allclose(w.numpy()[0], wv)                     # the anchor does not move in the inner steps
     moreau_outer_step([w], theta, lam=lam, eta=eta)
     np.testing.assert_allclose(w.numpy()[0], wv - eta * lam * (wv - th), rtol=1e-6)
@@ -198,18 +198,18 @@ def test_pfedme_with_lambda_large_theta_stays_at_w_and_server_beta_mixes():
     net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     xs = np.zeros((6, 1, 2, 2), np.uint8)
     s = PFedMeStrategy(model=net, test_data=(xs, np.arange(6) % 3), pfedme_beta=0.5)
-    cur = {k: v.detach().numpy().copy() for k, v in s.model.state_dict().items()}
+    cur = {k: v.detach().cpu().numpy().copy() for k, v in s.model.state_dict().items()}
     mean = {k: np.ones_like(v) for k, v in cur.items()}
     s.load_aggregate(mean)
     for k, v in s.model.state_dict().items():
-        np.testing.assert_allclose(v.numpy(), 0.5 * cur[k] + 0.5, rtol=1e-6)
+        np.testing.assert_allclose(v.cpu().numpy(), 0.5 * cur[k] + 0.5, rtol=1e-6)
 
 
 def test_pfedme_round_runs_and_the_server_is_the_nk_weighted_mean():
     s, grid, init, replies = _round("pfedme-fix")
     ups = [_np(r.content.array_records["arrays"]) for _, r in replies]
     n_k = [float(r.content.metric_records["metrics"]["num-examples"]) for _, r in replies]
-    got = {k: v.numpy() for k, v in s.model.state_dict().items()}
+    got = {k: v.cpu().numpy() for k, v in s.model.state_dict().items()}
     k = "stages.head.0.weight"
     np.testing.assert_allclose(got[k], sum(w * u[k] for w, u in zip(n_k, ups)) / sum(n_k), rtol=1e-5, atol=1e-7)
     assert not np.allclose(got[k], init[k].numpy())

@@ -61,8 +61,9 @@ def test_g_bal_uniform_prior_is_ce_and_gradient_formula():
 
 
 def _strategy(algo="scala", extra=""):
+    # (device='cpu': these check the formulas on payloads made here; the GPU path is the equivalence tests')
     raw = fused_run_config([f"algo='{algo}' model='cnn' norm='bn' dropout=0.0 momentum=0.0 lr=0.1 "
-                            f"scala.total-batch=12 {extra}"])
+                            f"scala.total-batch=12 device='cpu' {extra}"])
     p = parse_run_config(raw)
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=1))
     s.setup(None)
@@ -84,9 +85,9 @@ def test_priors_from_histograms():
     nodes = _fake_round(s, hists)
     p_s, p_k = s.priors(nodes, [])
     h = np.asarray(hists, dtype=np.float64)
-    assert np.allclose(p_s.numpy(), h.sum(0) / h.sum())                # P_s = sum n_k / sum |D_k|
+    assert np.allclose(p_s.cpu().numpy(), h.sum(0) / h.sum())                # P_s = sum n_k / sum |D_k|
     for pk, hk in zip(p_k, h):
-        assert np.allclose(pk.numpy(), hk / hk.sum())                    # P_k = n_k / |D_k|
+        assert np.allclose(pk.cpu().numpy(), hk / hk.sum())                    # P_k = n_k / |D_k|
     assert s.round_batch == dict(zip(nodes, batch_shares([40, 40, 40], 12)))
 
 
@@ -244,7 +245,7 @@ def _v2_reference(extra: str = "", fail: tuple[int, int] | None = None) -> dict[
                 finals[k] = mine
         keys = bottom_state_keys(model, cut)
         ks = sorted(finals)
-        new = weighted_mean([{kk: finals[k].state_dict()[kk].detach().numpy() for kk in keys} for k in ks],
+        new = weighted_mean([{kk: finals[k].state_dict()[kk].detach().cpu().numpy() for kk in keys} for k in ks],
                             [float(sizes[k]) for k in ks])
         load_bottom_state(model, {kk: torch.from_numpy(np.ascontiguousarray(v)) for kk, v in new.items()}, cut)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

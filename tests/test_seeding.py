@@ -104,3 +104,63 @@ def test_library_code_seeds_the_global_rng_only_through_seeded():
                         and ast.unparse(node.func.value) in ("torch", "torch.cuda", "torch.random")):
                     found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}")
     assert len(found) == 1 and found[0].startswith("tasks/training.py:"), found
+
+
+@pytest.fixture
+def _restore_determinism():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+def test_cuda_determinism_switch_sets_and_clears_torchs_mode(_restore_determinism, monkeypatch):
+    """``deterministic`` (run config, default true) is PyTorch's deterministic mode on CUDA: deterministic
+    algorithms (warn-only), cuDNN's deterministic kernels, no autotuning, and the cuBLAS workspace that
+    mode needs; false turns it off. The CPU device changes nothing (its kernels are deterministic)."""
+    from tasks.config import ConfigError
+    from tasks.training import resolve_device, set_cuda_determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    set_cuda_determinism(False)
+    assert resolve_device("cpu", True) == torch.device("cpu") and not torch.are_deterministic_algorithms_enabled()
+    set_cuda_determinism(True)
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    import os
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")    # a user's own setting is kept
+    set_cuda_determinism(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    set_cuda_determinism(False)
+    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+    assert not torch.backends.cudnn.deterministic
+    assert TaskConfig().deterministic is True
+    from flower_apps.config import parse_run_config
+    from flower_apps.simulate import fused_run_config
+    assert parse_run_config(fused_run_config(["deterministic=false"])).task.deterministic is False
+    with pytest.raises(ConfigError, match="deterministic"):
+        parse_run_config(fused_run_config(["deterministic='yes'"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device("cuda", True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_same_seed_same_weights_on_cuda(_restore_determinism):
+    """On a GPU, with the default ``deterministic=true``, a conv net trained twice from the same seed
+    has bitwise-equal weights (cuDNN's default backward sums in a varying order)."""
+    from tasks.training import make_sgd, resolve_device
+
+    dev = resolve_device("cuda", True)
+    x = np.random.default_rng(0).integers(0, 256, (256, 1, 28, 28), dtype=np.uint8)
+    data = ArrayDataset(x, np.random.default_rng(1).integers(0, 10, 256))
+    out = []
+    for _ in range(2):
+        with seeded(0):
+            net = build_model("cnn", in_channels=1, num_classes=10, image_size=28, norm="bn").to(dev)
+        train_supervised(net, data, aug=Augmenter(1, 28, flip=False), steps=20, batch_size=64,
+                         optimizer=make_sgd(net.parameters(), TaskConfig(lr=0.05)), device=dev, seed=3, view="strong")
+        out.append(_weights(net))
+    assert all(torch.equal(a, b) for a, b in zip(*out))

@@ -64,7 +64,7 @@ def test_global_momentum_update_by_hand_and_as_sgd_with_lr_one():
     for wbar in (wbar1, wbar2):
         p.grad = p.detach() - torch.from_numpy(wbar["a"])
         sgd.step()
-    np.testing.assert_allclose(p.detach().numpy(), w2["a"], rtol=1e-6)
+    np.testing.assert_allclose(p.detach().cpu().numpy(), w2["a"], rtol=1e-6)
     # beta = 0 is plain averaging
     np.testing.assert_allclose(global_momentum_step(w1, wbar2, v1, 0.0)[0]["a"], wbar2["a"])
 
@@ -177,7 +177,7 @@ def test_server_update_is_global_momentum_over_the_uploads(monkeypatch):
     replies = _spy(grid)
     s.setup(grid)
     keys = s.keys
-    w = {k: v.detach().numpy().astype(np.float64).copy() for k, v in s.model.state_dict().items() if k in keys}
+    w = {k: v.detach().cpu().numpy().astype(np.float64).copy() for k, v in s.model.state_dict().items() if k in keys}
     res, rows = run(s, grid, rounds=2)
     assert [r["trained-clients"] for r in rows] == [4, 4]
     v = {k: np.zeros_like(a) for k, a in w.items()}

@@ -101,7 +101,7 @@ def _local_loss_reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     sizes = [len(d) for d in datas]
     act_shape = feature_shape(split_model(model, cut)[0], env.input_shape)   # (eval mode: no BN update)
     with seeded(derive_seed(task.seed, "sfl-aux-head")):
-        head = make_aux_head(act_shape, env.num_classes)
+        head = make_aux_head(act_shape, env.num_classes).to(env.device)
     for rnd in range(1, ROUNDS + 1):
         shares = batch_shares(sizes, cfg.total_batch, min_share=2)
         copies = [copy.deepcopy(model) for _ in range(K)]
@@ -130,10 +130,10 @@ def _local_loss_reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
                 F.cross_entropy(logits, ys[k]).backward()
                 opt_top.step()
         keys = bottom_state_keys(model, cut)
-        new = weighted_mean([{kk: c.state_dict()[kk].detach().numpy() for kk in keys} for c in copies],
+        new = weighted_mean([{kk: c.state_dict()[kk].detach().cpu().numpy() for kk in keys} for c in copies],
                             [float(s) for s in sizes])
         load_bottom_state(model, {kk: torch.from_numpy(np.ascontiguousarray(v)) for kk, v in new.items()}, cut)
-        hnew = weighted_mean([{kk: v.detach().numpy() for kk, v in h.state_dict().items()} for h in heads],
+        hnew = weighted_mean([{kk: v.detach().cpu().numpy() for kk, v in h.state_dict().items()} for h in heads],
                              [float(s) for s in sizes])
         head.load_state_dict({kk: torch.from_numpy(np.ascontiguousarray(v)) for kk, v in hnew.items()})
     return ({k: v.detach().clone() for k, v in model.state_dict().items()},

@@ -129,7 +129,7 @@ def reference(algo: str, extra: str) -> dict[str, torch.Tensor]:
                     p_.grad = g
                 opts[k].step()
         keys = bottom_state_keys(model, cut)
-        states = [{kk: c.state_dict()[kk].detach().numpy() for kk in keys} for c in copies]
+        states = [{kk: c.state_dict()[kk].detach().cpu().numpy() for kk in keys} for c in copies]
         new = weighted_mean(states, [float(s) for s in sizes])
         load_bottom_state(model, {kk: torch.from_numpy(np.ascontiguousarray(v)) for kk, v in new.items()}, cut)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
