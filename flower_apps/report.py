@@ -196,6 +196,17 @@ def markdown_table(runs: list[Run], metric: str = "accuracy") -> str:
     return "\n".join(lines) + "\n"
 
 
+def at_round_table(runs: list[Run], rounds: list[int], metric: str = "accuracy") -> str:
+    """Each run's ``metric`` at each of ``rounds`` ("n/a" where the run stopped before that round):
+    runs of unequal length (a sweep stopped at a time limit) compared where all of them were."""
+    head = ["run", *(f"{metric} at round {r}" for r in rounds)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        at = dict(run.series(metric))
+        lines.append("| " + " | ".join([run.name, *(f"{at[r]:.4f}" if r in at else "n/a" for r in rounds)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # --------------------------------------------------------------------------- seeds
 _SEED_KEYS = {"seed"}
 
@@ -515,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(runs that report pseudo-hist, e.g. SSFL), and the accuracy around it")
     ap.add_argument("--paired", default="",
                     help="with --by-seed: a table of every row's per-seed differences from this row")
+    ap.add_argument("--at-round", type=int, nargs="+", default=[], metavar="R",
+                    help="a table of every run's metric at these rounds (runs of unequal length)")
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.runs)
@@ -530,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if args.at_round:
+        table += "\n" + at_round_table(runs, args.at_round, args.metric)
     if args.onset:
         table += "\n" + onset_table(runs, args.metric)
     if args.paired:

@@ -102,3 +102,14 @@ def test_onset_of_the_first_confident_pseudo_labels(tmp_path):
         {"round": 1, "accuracy": 0.3, "warm-accuracy": 0.8, "pseudo-hist": [5.0, 5.0]}) + "\n")
     assert main([str(tmp_path / "w"), "--onset", "--out", str(out), "--figure", ""]) == 0
     assert "| w | 1 | 2 | 0 : 0.50 | n/a | 0.800 | 0.300 | 0.300 |" in out.read_text()
+
+
+def test_at_round_compares_runs_of_unequal_length(tmp_path):
+    """--at-round: each run's accuracy at the rounds asked, n/a past a run's last round."""
+    _write_run(tmp_path / "runs" / "long", {"algo": "umpfssl", "seed": 0}, [0.1, 0.2, 0.3, 0.4])
+    _write_run(tmp_path / "runs" / "short", {"algo": "local-only", "seed": 0}, [0.15, 0.35])
+    out = tmp_path / "r.md"
+    assert main([str(tmp_path / "runs"), "--out", str(out), "--figure", "", "--at-round", "2", "4"]) == 0
+    text = out.read_text()
+    assert "| run | accuracy at round 2 | accuracy at round 4 |" in text
+    assert "| long | 0.2000 | 0.4000 |" in text and "| short | 0.3500 | n/a |" in text
