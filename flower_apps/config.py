@@ -45,6 +45,7 @@ class AppConfig:
     fraction_train: float = knob_of(RoundPolicy, "fraction_train")
     min_nodes: int = knob_of(RoundPolicy, "min_nodes")
     round_timeout: float = knob_of(RoundPolicy, "round_timeout")
+    max_in_flight: int = knob_of(RoundPolicy, "max_in_flight")
     results_dir: str = knob("results", help="parent folder of run folders; relative paths resolve against $FLOWER_SSL_HOME, else the ServerApp working directory (the folder the local SuperLink was started from)")
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")

@@ -39,6 +39,10 @@ class RoundPolicy:
     min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
     round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
     wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
+    max_in_flight: int = knob(0, lo=0, help="most instructions of a round out at once, refilled as replies come "
+                                            "back and each reply folded into the aggregate as it arrives (0 = auto: "
+                                            "twice this machine's CPUs in the simulation engine, where the ClientApps "
+                                            "share them; every sampled node at once in a deployment)")
     split_transport: str = knob("message", choices=TRANSPORTS,
                                 help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
                                      "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "

@@ -132,7 +132,8 @@ class LocalGrid:
     node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
     like the simulation engine). An exception in a handler becomes an error reply
     (:meth:`error_reply`), worded as a Flower SuperNode words it.
-    ``sent`` keeps every pushed message (to inspect what the server sent). ``node_ids``: the
+    ``sent`` keeps every pushed message (to inspect what the server sent; ``keep_sent=False``:
+    none, so a long in-process run holds no message after its reply was pulled). ``node_ids``: the
     nodes' ids in partition order (default ``first_node_id + i``; random ids, as in Flower's
     simulation, test that nothing depends on their order). ``node_config``: extra node-config
     entries of every node (e.g. ``state-dir``).
@@ -142,7 +143,8 @@ class LocalGrid:
 
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
                  run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
-                 node_ids: list[int] | None = None, node_config: dict | None = None) -> None:
+                 node_ids: list[int] | None = None, node_config: dict | None = None,
+                 keep_sent: bool = True) -> None:
         from flwr.app import RecordDict as _RD
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -162,6 +164,7 @@ class LocalGrid:
                          state=_RD(), run_config=dict(run_config or {}))
             for i, nid in enumerate(ids)}
         self.sent: list[Message] = []
+        self.keep_sent = keep_sent
         self._replies: dict[str, Message] = {}
         self.pushed = 0
         self.threaded = threaded
@@ -177,7 +180,8 @@ class LocalGrid:
             m.metadata.__dict__["_message_id"] = mid
             ids.append(mid)
             self.pushed += 1
-            self.sent.append(m)
+            if self.keep_sent:
+                self.sent.append(m)
             node = m.metadata.dst_node_id
             if self.threaded:
                 t = threading.Thread(target=self._handle, args=(mid, m, node), daemon=True)

@@ -22,6 +22,8 @@ the round itself has another shape (server-only training). Split algorithms subc
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import random
 import time
 import uuid
@@ -60,7 +62,7 @@ from split_layer.rounds import (
     describe_error,
 )
 from split_layer.runtime import SplitRuntime
-from tasks.aggregate import weighted_mean
+from tasks.aggregate import RunningWeightedMean
 from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
 from tasks.env import Env, NodeData, library_env, user_env
 from tasks.system import RoundClock, load_system
@@ -305,18 +307,43 @@ class BaseStrategy(Strategy):
         from tasks.config import to_flat
         return to_flat(self.cfg) if self.cfg is not None else {}
 
-    def exchange(self, grid: Grid, messages: list[Message], timeout: float | None = None,
+    def exchange(self, grid: Grid, messages: Iterable[Message], timeout: float | None = None,
                  poll: float = 0.01) -> list[Message]:
-        """Push, then poll for replies until all arrived or ``timeout``; drop failures.
+        """Send ``messages``, collect the good replies (the windowed loop of :meth:`exchange_fold`).
 
         Error replies and missing replies are logged, and their nodes are added to
         ``self.dropped`` for this round. Only good replies are returned.
         """
+        out: list[Message] = []
+        self.exchange_fold(grid, messages, out.append, timeout, poll)
+        return out
+
+    def exchange_fold(self, grid: Grid, messages: Iterable[Message], fold: Callable[[Message], None],
+                      timeout: float | None = None, poll: float = 0.01) -> int:
+        """Send ``messages`` with at most :meth:`in_flight` of them out at once (refilled as replies
+        come back) and hand each good reply to ``fold`` as it arrives, then let it go; returns how
+        many were folded. Until ``timeout`` (default ``round-timeout``) for the whole exchange: an
+        error reply, a node that has not replied by then, and a message not yet sent by then
+        drop their node from the round (logged, ``dropped``)."""
         timeout = self.policy.round_timeout if timeout is None else timeout
+        messages = list(messages)
         if not messages:
-            return []
+            return 0
         with self.clock_stage():
-            return self._exchange(grid, messages, timeout, poll)
+            return self._exchange(grid, messages, fold, timeout, poll)
+
+    def in_flight(self, grid: Grid, num_messages: int) -> int:
+        """How many of a round's ``num_messages`` instructions are out at once (run-config
+        ``max-in-flight``; 0 = auto): in Flower's simulation engine and the in-process engine the
+        ClientApps share this machine's CPUs, so twice its CPU count keeps every worker busy while
+        the server holds that many instructions and replies, not one per sampled node; in a
+        deployment every node runs on its own machine, so all are sent at once (the SuperLink
+        holds them, and each reply is still folded in as it arrives)."""
+        if self.policy.max_in_flight > 0:
+            return self.policy.max_in_flight
+        if type(grid).__name__ in ("InMemoryGrid", "LocalGrid"):
+            return max(self.policy.min_nodes, 2 * (os.cpu_count() or 1))
+        return max(num_messages, 1)
 
     def clock_stage(self):
         """One stage of the simulated clock (a no-op context without one): an exchange."""
@@ -328,32 +355,47 @@ class BaseStrategy(Strategy):
         entry = self.directory.get(node) if node in self.directory else None
         return int(entry["partition"]) if entry is not None else int(node)
 
-    def _exchange(self, grid: Grid, messages: list[Message], timeout: float, poll: float) -> list[Message]:
-        by_id = {}
-        for mid, m in zip(grid.push_messages(messages), messages):
-            by_id[mid] = m.metadata.dst_node_id
-            self.count_bytes(m, "down")
-        pending, out = set(by_id), []
+    def _exchange(self, grid: Grid, messages: list[Message], fold: Callable[[Message], None], timeout: float,
+                  poll: float) -> int:
+        window = self.in_flight(grid, len(messages))
+        queue = iter(messages)
+        unsent = len(messages)
+        by_id: dict[str, int] = {}
+        folded = 0
         deadline = time.time() + timeout
-        while pending and time.time() < deadline:
-            for r in grid.pull_messages(list(pending)):
+        while (by_id or unsent) and time.time() < deadline:
+            if unsent and len(by_id) < window:
+                batch = [m for _, m in zip(range(min(window - len(by_id), unsent)), queue)]
+                unsent -= len(batch)
+                for mid, m in zip(grid.push_messages(batch), batch):
+                    by_id[mid] = m.metadata.dst_node_id
+                    self.count_bytes(m, "down")
+            arrived = False
+            for r in grid.pull_messages(list(by_id)):
                 rid = r.metadata.reply_to_message_id
-                if rid not in pending:
+                if rid not in by_id:
                     continue
-                pending.discard(rid)
+                arrived = True
+                node = by_id.pop(rid)
                 if r.has_error():
-                    self.drop(by_id[rid], f"error {r.error.code}: {describe_error(r.error.reason or '')}")
+                    self.drop(node, f"error {r.error.code}: {describe_error(r.error.reason or '')}")
                 else:
                     self.count_bytes(r, "up")
                     self.note_work(r)
-                    out.append(r)
-            if pending:
+                    fold(r)
+                    folded += 1
+            if (by_id or unsent) and not arrived:
                 time.sleep(poll)
-        for rid in pending:
-            self.drop(by_id[rid], f"no reply within {timeout:.0f} s")
+        for node in by_id.values():
+            self.drop(node, f"no reply within {timeout:.0f} s")
             if self.clock is not None:
-                self.clock.missing(self.node_key(by_id[rid]))
-        return out
+                self.clock.missing(self.node_key(node))
+        for m in queue:
+            self.drop(m.metadata.dst_node_id, f"not sent: the exchange's {timeout:.0f} s ran out with "
+                                              f"{window} instruction(s) still out (max-in-flight)")
+            if self.clock is not None:
+                self.clock.missing(self.node_key(m.metadata.dst_node_id))
+        return folded
 
     def note_work(self, reply: Message) -> None:
         """The simulated clock's share of a reply: the work its node counted (``work`` record)."""
@@ -407,23 +449,26 @@ class BaseStrategy(Strategy):
         """Hook: put the aggregated state into the global model (e.g. only the shared body)."""
         load_numpy_state(self.model, state)
 
+    def train_fold(self, server_round: int) -> "TrainFold":
+        """The running aggregate of round ``server_round``'s train replies (fold-as-you-go: each
+        reply is added as it arrives and let go). Default: the ``num-examples``-weighted mean of
+        the uploaded states and of :attr:`reply_metrics` (FedAvg); an algorithm with another rule
+        returns its own fold (uniform weights, FedNova's normalised sums, ...)."""
+        return TrainFold(self)
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        states, weights = [], []
-        values: dict[str, list[float]] = {k: [] for k in self.reply_metrics}
+        """Flower's ``aggregate_train``: the replies folded into :meth:`train_fold` one by one."""
+        fold = self.train_fold(server_round)
         for r in replies:
-            rec = r.content.array_records[ARRAYS_KEY]
-            met = r.content.metric_records[METRICS_KEY]
-            states.append(record_to_numpy(rec))
-            weights.append(float(met["num-examples"]))
-            for k in self.reply_metrics:
-                values[k].append(float(met.get(k, float("nan"))))
-        if len(states) < self.policy.min_nodes or sum(weights) <= 0:
-            return None, None
-        self.load_aggregate(weighted_mean(states, weights))
-        return self.global_arrays(), MetricRecord(
-            {k: float(np.average(v, weights=weights)) for k, v in values.items()})
+            fold.add(r)
+        return fold.finish()
+
+    def _own_aggregate_train(self) -> bool:
+        """Whether a subclass overrides ``aggregate_train`` without a :meth:`train_fold` of its own
+        (a user's Flower-style strategy): its round then collects every reply and passes the list."""
+        cls = type(self)
+        return cls.aggregate_train is not BaseStrategy.aggregate_train and cls.train_fold is BaseStrategy.train_fold
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
@@ -438,13 +483,19 @@ class BaseStrategy(Strategy):
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         """One round; returns its metrics. Default: FedAvg-style train round."""
         msgs = list(self.configure_train(server_round, self.global_arrays(), ConfigRecord(), grid))
-        replies = self.exchange(grid, msgs)
-        arrays, metrics = self.aggregate_train(server_round, replies)
-        out: dict[str, Any] = {"participants": len(replies)}
+        if self._own_aggregate_train():   # a subclass's aggregate_train needs the replies together
+            replies = self.exchange(grid, msgs)
+            folded = len(replies)
+            arrays, metrics = self.aggregate_train(server_round, replies)
+        else:
+            fold = self.train_fold(server_round)
+            folded = self.exchange_fold(grid, msgs, fold.add)
+            arrays, metrics = fold.finish()
+        out: dict[str, Any] = {"participants": folded}
         if arrays is None:
             out["skipped"] = 1
             log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round,
-                len(replies), self.policy.min_nodes)
+                folded, self.policy.min_nodes)
         if metrics is not None:
             out.update(dict(metrics))
         return out
@@ -601,6 +652,41 @@ class BaseStrategy(Strategy):
             log(INFO, "%s", progress_line(rnd, num_rounds, metrics, time.time() - t_start, rnd - start_round + 1))
         result.arrays = self.result_arrays()
         return result
+
+
+class TrainFold:
+    """One round's train replies folded in as they arrive (:meth:`BaseStrategy.train_fold`): the
+    weighted mean of the uploaded states (``ARRAYS_KEY``) and of the strategy's
+    ``reply_metrics``, kept as running float64 sums (:class:`tasks.aggregate.RunningWeightedMean`),
+    so the server holds one model's worth of sums however many nodes reply. Weights: each
+    reply's ``num-examples`` (FedAvg), or 1 (``uniform=True``). :meth:`finish` loads the mean
+    into the global model (``strategy.load_aggregate``) and returns Flower's ``(arrays,
+    metrics)``; fewer than ``min-nodes`` replies, or no weight: ``(None, None)``."""
+
+    def __init__(self, strategy: BaseStrategy, uniform: bool = False) -> None:
+        self.strategy, self.uniform = strategy, uniform
+        self.mean = RunningWeightedMean()
+        self.values = {k: [0.0, 0.0] for k in strategy.reply_metrics}   # sum w v, sum w
+        self.count = 0
+
+    def weight(self, metrics: MetricRecord) -> float:
+        return 1.0 if self.uniform else float(metrics["num-examples"])
+
+    def add(self, reply: Message) -> None:
+        met = reply.content.metric_records[METRICS_KEY]
+        w = self.weight(met)
+        self.mean.add(record_to_numpy(reply.content.array_records[ARRAYS_KEY]), w)
+        for k, acc in self.values.items():
+            acc[0] += w * float(met.get(k, float("nan")))
+            acc[1] += w
+        self.count += 1
+
+    def finish(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        s = self.strategy
+        if self.count < s.policy.min_nodes or self.mean.total <= 0:
+            return None, None
+        s.load_aggregate(self.mean.result())
+        return s.global_arrays(), MetricRecord({k: a / b if b > 0 else math.nan for k, (a, b) in self.values.items()})
 
 
 class SplitStrategy(SplitRuntime, BaseStrategy):

@@ -116,7 +116,7 @@ from split_layer.records import (
     record_to_numpy,
 )
 from .base import BaseStrategy
-from tasks.aggregate import fednova_aggregate, weighted_mean
+from tasks.aggregate import RunningFedNova, RunningWeightedMean, fednova_aggregate, weighted_mean
 from tasks.config import knob
 from tasks.ema import ema_update
 from tasks.losses import closed_form_soft_label, kl_to_uniform, soft_ce
@@ -336,36 +336,8 @@ class FedSHVRStrategy(BaseStrategy):
                             "agg-partitions": [int(p) for p in self.agg_partitions] or [-1]})
         return super().configure_train(server_round, arrays, cfg, grid)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        uploads, omegas, taus, pids, mets = [], [], [], [], []
-        for r in replies:
-            rec = r.content.array_records[ARRAYS_KEY]
-            met = r.content.metric_records[METRICS_KEY]
-            uploads.append(record_to_numpy(rec))
-            omegas.append(float(met["num-examples"]) if self.cfg.weighting == "size" else 1.0)
-            taus.append(float(met["tau"]))
-            pids.append(int(met["partition-id"]))
-            mets.append(dict(met))
-        if len(uploads) < self.policy.min_nodes:
-            return None, None
-        prev = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        new, tau = server_update(prev, uploads, taus, omegas, normalized=self.cfg.normalized_averaging,
-                                 param_keys=self.param_keys)
-        load_numpy_state(self.model, new)
-        self.agg_round, self.agg_partitions, self.agg_tau = server_round, sorted(pids), tau
-        w = np.asarray(omegas) / np.sum(omegas)
-        out: dict[str, Any] = {"tau": tau, "tau-min": float(min(taus)), "tau-max": float(max(taus))}
-        for key in ("train-loss", "sup-loss", "unsup-loss", "r2-loss", "alpha0", "pl-acc", "pl-acc-unseen",
-                    "pl-confidence", "d-norm"):
-            vals = [(wi, float(m[key])) for wi, m in zip(w, mets) if key in m and math.isfinite(float(m[key]))]
-            if vals:
-                out[key] = float(sum(a * b for a, b in vals) / sum(a for a, _ in vals))
-        out["label-metrics-nodes"] = sum("pl-acc" in m for m in mets)   # consenting nodes (records.label_consent)
-        out["vr-reset"] = int(sum(int(m.get("vr-reset", 0)) for m in mets))
-        out["vr-applied"] = int(sum(int(m.get("vr-applied", 0)) for m in mets))
-        return self.global_arrays(), MetricRecord(out)
+    def train_fold(self, server_round: int) -> "NovaFold":
+        return NovaFold(self, server_round)
 
     def extra_state(self) -> dict[str, Any]:
         return {"agg_round": self.agg_round, "agg_partitions": list(self.agg_partitions),
@@ -375,6 +347,67 @@ class FedSHVRStrategy(BaseStrategy):
         self.agg_round = int(state.get("agg_round", 0))
         self.agg_partitions = list(state.get("agg_partitions", []))
         self.agg_tau = float(state.get("agg_tau", 1.0))
+
+
+class NovaFold:
+    """Fed-SHVR's round aggregate, folded reply by reply (:meth:`FedSHVRStrategy.train_fold`):
+    FedNova's running sums (:class:`tasks.aggregate.RunningFedNova`; plain omega-weighted
+    means without normalised averaging), omega = ``num-examples`` (``weighting='size'``) or 1,
+    and the omega-weighted means of the reply metrics."""
+
+    METRICS = ("train-loss", "sup-loss", "unsup-loss", "r2-loss", "alpha0", "pl-acc", "pl-acc-unseen",
+               "pl-confidence", "d-norm")
+
+    def __init__(self, strategy: "FedSHVRStrategy", server_round: int) -> None:
+        self.s, self.round = strategy, server_round
+        prev = {k: v.detach().cpu().numpy() for k, v in strategy.model.state_dict().items()}
+        keys = list(prev) if strategy.param_keys is None else list(strategy.param_keys)
+        others = [k for k in prev if k not in set(keys)]
+        self.nova = RunningFedNova(prev, keys=keys, mean_keys=others)
+        self.plain = RunningWeightedMean()
+        self.taus: list[float] = []
+        self.pids: list[int] = []
+        self.sums = {k: [0.0, 0.0] for k in self.METRICS}
+        self.consenting = self.vr_reset = self.vr_applied = 0
+        self.omega = self.tau_sum = 0.0      # sum omega_k, sum omega_k tau_k
+
+    def add(self, reply: Message) -> None:
+        up = record_to_numpy(reply.content.array_records[ARRAYS_KEY])
+        met = reply.content.metric_records[METRICS_KEY]
+        omega = float(met["num-examples"]) if self.s.cfg.weighting == "size" else 1.0
+        tau = float(met["tau"])
+        if self.s.cfg.normalized_averaging:
+            self.nova.add(up, tau, omega)
+        else:
+            self.plain.add(up, omega)
+        self.taus.append(tau)
+        self.pids.append(int(met["partition-id"]))
+        for key, acc in self.sums.items():
+            if key in met and math.isfinite(float(met[key])):
+                acc[0] += omega * float(met[key])
+                acc[1] += omega
+        self.consenting += int("pl-acc" in met)   # consenting nodes (records.label_consent)
+        self.vr_reset += int(met.get("vr-reset", 0))
+        self.vr_applied += int(met.get("vr-applied", 0))
+        self.omega += omega
+        self.tau_sum += omega * tau
+
+    def finish(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        s = self.s
+        if len(self.taus) < s.policy.min_nodes:
+            return None, None
+        if s.cfg.normalized_averaging:
+            new, tau = self.nova.result()
+        else:
+            new, tau = self.plain.result(), self.tau_sum / self.omega
+        load_numpy_state(s.model, {k: np.asarray(v) for k, v in new.items()})
+        s.agg_round, s.agg_partitions, s.agg_tau = self.round, sorted(self.pids), float(tau)
+        out: dict[str, Any] = {"tau": float(tau), "tau-min": float(min(self.taus)), "tau-max": float(max(self.taus))}
+        out.update({k: a / b for k, (a, b) in self.sums.items() if b > 0})
+        out["label-metrics-nodes"] = self.consenting
+        out["vr-reset"] = self.vr_reset
+        out["vr-applied"] = self.vr_applied
+        return s.global_arrays(), MetricRecord(out)
 
 
 # --------------------------------------------------------------------------- client

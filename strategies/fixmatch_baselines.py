@@ -63,7 +63,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid
 
 from split_layer.records import (
@@ -73,7 +73,6 @@ from split_layer.records import (
     model_to_record,
     record_to_numpy,
 )
-from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError
 from tasks.data import ArrayDataset
 from tasks.env import Env
@@ -87,6 +86,7 @@ from tasks.training import (
     train_supervised,
 )
 
+from .base import TrainFold
 from .client import AlgorithmClient
 from .personalized import PersonalizedEvalStrategy
 from .registry import AlgorithmSpec, bind
@@ -276,18 +276,10 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
             return model_to_record(self.model)   # never trained: the initial local part
         return self.global_arrays()
 
-    def aggregate_train(self, server_round: int, replies) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        self.seeded.update(r.metadata.src_node_id for r in replies)
-        if not self.uniform:
-            return super().aggregate_train(server_round, replies)
-        states = [record_to_numpy(r.content.array_records[ARRAYS_KEY]) for r in replies]
-        mets = [r.content.metric_records[METRICS_KEY] for r in replies]
-        if len(states) < self.policy.min_nodes:
-            return None, None
-        self.load_aggregate(weighted_mean(states, [1.0] * len(states)))
-        return self.global_arrays(), MetricRecord(
-            {k: float(np.mean([float(m.get(k, float("nan"))) for m in mets])) for k in self.reply_metrics})
+    def train_fold(self, server_round: int) -> TrainFold:
+        """FedAvg's ``num-examples`` weights, or the uniform mean (fixbn, fedbn-sl, lg); every node
+        that replies holds its local part from then on (``seeded``)."""
+        return _SeedingFold(self, uniform=self.uniform)
 
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
         load_numpy_state(self.model, state, strict=self.body_keys is None)  # the shared part only
@@ -303,6 +295,12 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         super().load_extra_state(state)
         self.seeded = set(state.get("seeded", ()))
+
+
+class _SeedingFold(TrainFold):
+    def add(self, reply: Message) -> None:
+        self.strategy.seeded.add(reply.metadata.src_node_id)
+        super().add(reply)
 
 
 class LocalOnlyStrategy(PersonalizedEvalStrategy):

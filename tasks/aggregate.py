@@ -31,6 +31,8 @@ State = Union[Mapping[str, np.ndarray], Sequence[np.ndarray]]
 
 __all__ = [
     "weighted_mean",
+    "RunningWeightedMean",
+    "RunningFedNova",
     "mean_including_server",
     "grouped_average",
     "contiguous_groups",
@@ -111,27 +113,68 @@ def weighted_mean(states: Sequence[State], weights=None, keys=None):
     * Parameters only (SSFL with BN, ssfl_benchmark.md §2): pass the trainable
       parameter names as ``keys``; BN buffers then stay out.
 
-    ``weights`` must be >= 0 and not all zero; they are normalised here. The
-    result holds only the selected keys (a dict, or a list in the order of
-    ``keys`` when the states are lists). Integer arrays are rounded after
-    averaging.
+    ``weights`` must be >= 0 and not all zero. The result holds only the
+    selected keys (a dict, or a list in the order of ``keys`` when the states
+    are lists). Integer arrays are rounded after averaging. The arithmetic is
+    :class:`RunningWeightedMean`'s (float64 sums of ``a_k w_k``, divided by
+    ``sum_k a_k`` at the end), so a server that folds each state in as it
+    arrives gets the same bits as one that stacks them all.
     """
     if len(states) == 0:
         raise ValueError("need at least one state")
-    dicts = [_as_dict(s) for s in states]
-    sel = _select_keys(dicts[0], keys)
-    _check_shapes(dicts, sel)
-    w = _normalise_weights(weights, len(dicts))
-    out = {}
-    for k in sel:
-        acc = np.zeros(dicts[0][k].shape, dtype=np.float64)
-        for wi, d in zip(w, dicts):
-            if wi != 0.0:
-                acc += wi * d[k].astype(np.float64, copy=False)
-        out[k] = _cast(acc, dicts[0][k])
-    if isinstance(states[0], Mapping):
-        return out
-    return [out[k] for k in sel]
+    _normalise_weights(weights, len(states))   # (the checks: count, >= 0, finite, not all 0)
+    raw = [1.0] * len(states) if weights is None else [float(x) for x in np.asarray(weights, np.float64).reshape(-1)]
+    acc = RunningWeightedMean(keys)
+    for state, a in zip(states, raw):
+        acc.add(state, a)
+    return acc.result()
+
+
+class RunningWeightedMean:
+    """:func:`weighted_mean` folded one state at a time: ``add(state, a_k)`` as each state
+    arrives (then the state can be let go), ``result()`` at the end. Holds one float64 sum per
+    key, whatever the number of states (a server aggregating thousands of replies holds one
+    model's worth, not thousands). ``keys``: which keys (default: every key of the first
+    state); every later state must have them, in the same shapes."""
+
+    def __init__(self, keys=None) -> None:
+        self.keys = None if keys is None else list(keys)
+        self.total = 0.0          # sum_k a_k
+        self.count = 0            # states added
+        self._sums: dict | None = None
+        self._dtypes: dict = {}
+        self._mapping = True
+
+    def add(self, state: State, weight: float = 1.0) -> None:
+        a = float(weight)
+        if not np.isfinite(a) or a < 0:
+            raise ValueError(f"weights must be finite and >= 0, got {weight}")
+        d = _as_dict(state)
+        if self._sums is None:
+            self._mapping = isinstance(state, Mapping)
+            sel = _select_keys(d, self.keys)
+            self.keys = sel
+            self._sums = {k: np.zeros(d[k].shape, dtype=np.float64) for k in sel}
+            self._dtypes = {k: d[k].dtype for k in sel}
+        for k in self.keys:
+            if k not in d:
+                raise KeyError(f"key {k!r} missing from a state")
+            if d[k].shape != self._sums[k].shape:
+                raise ValueError(f"shape mismatch for {k!r}: {d[k].shape} vs {self._sums[k].shape}")
+        if a != 0.0:
+            for k in self.keys:
+                self._sums[k] += a * d[k].astype(np.float64, copy=False)
+        self.total += a
+        self.count += 1
+
+    def result(self):
+        """The weighted mean of the states added (a dict, or a list for list states)."""
+        if self.count == 0:
+            raise ValueError("need at least one state")
+        if self.total <= 0:
+            raise ValueError("weights must not all be zero")
+        out = {k: _cast(self._sums[k] / self.total, np.empty(0, self._dtypes[k])) for k in self.keys}
+        return out if self._mapping else [out[k] for k in self.keys]
 
 
 def personalized_weighted(states: Sequence[State], corr_weights, keys=None):
@@ -309,39 +352,78 @@ def fednova_aggregate(
 
     Returns the new global state, shaped like ``global_prev``.
     """
-    prev = _as_dict(global_prev)
-    dicts = [_as_dict(c) for c in client_states]
-    n = len(dicts)
+    n = len(client_states)
     if n == 0:
         raise ValueError("need at least one client state")
     t = np.asarray(taus, dtype=np.float64).reshape(-1)
     if t.shape[0] != n or np.any(t <= 0):
         raise ValueError(f"taus must be {n} positive numbers, got {taus}")
-    w = _normalise_weights(omegas, n, "omegas")
-    tau = float(np.sum(w * t))
-    if mean_keys is None:
-        mean_sel = [k for k, v in prev.items() if not np.issubdtype(v.dtype, np.floating)]
-    else:
-        mean_sel = _select_keys(prev, mean_keys)
-    if keys is None:
-        nova_sel = [k for k in prev if k not in set(mean_sel)]
-    else:
-        nova_sel = _select_keys(prev, keys)
-        overlap = set(nova_sel) & set(mean_sel)
-        if overlap:
-            raise ValueError(f"keys and mean_keys overlap: {sorted(overlap)[:5]}")
-    _check_shapes([prev] + dicts, nova_sel + list(mean_sel))
-    out = {k: v.copy() for k, v in prev.items()}
-    coef = tau * w / t  # effective weight of each client's change
-    for k in nova_sel:
-        p = prev[k].astype(np.float64)
-        step = np.zeros_like(p)
-        for ck, d in zip(coef, dicts):
-            step += ck * (p - d[k].astype(np.float64, copy=False))
-        out[k] = _cast(p - step, prev[k])
-    if mean_sel:
-        out.update(weighted_mean(dicts, w, keys=mean_sel))  # dicts in -> dict out
-    return _like(global_prev, out)
+    _normalise_weights(omegas, n, "omegas")   # (the checks: count, >= 0, finite, not all 0)
+    raw = np.ones(n) if omegas is None else np.asarray(omegas, dtype=np.float64).reshape(-1)
+    acc = RunningFedNova(global_prev, keys=keys, mean_keys=mean_keys)
+    for state, tau_k, omega_k in zip(client_states, t, raw):
+        acc.add(state, float(tau_k), float(omega_k))
+    return acc.result()[0]
+
+
+class RunningFedNova:
+    """:func:`fednova_aggregate` folded one client state at a time: ``add(state, tau_k, omega_k)``
+    as each arrives, ``result() -> (theta^t, tau)``. Holds float64 sums of
+    ``omega_k (theta^{t-1} - theta_k) / tau_k`` (FedNova keys) and ``omega_k theta_k`` (mean keys),
+    ``sum omega_k`` and ``sum omega_k tau_k``: with normalised omegas ``w_k`` this is
+    ``theta^{t-1} - tau sum_k w_k (theta^{t-1} - theta_k) / tau_k``, ``tau = sum_k w_k tau_k``."""
+
+    def __init__(self, global_prev: State, keys=None, mean_keys=None) -> None:
+        self._template = global_prev
+        self.prev = _as_dict(global_prev)
+        if mean_keys is None:
+            self.mean_sel = [k for k, v in self.prev.items() if not np.issubdtype(v.dtype, np.floating)]
+        else:
+            self.mean_sel = _select_keys(self.prev, mean_keys)
+        if keys is None:
+            self.nova_sel = [k for k in self.prev if k not in set(self.mean_sel)]
+        else:
+            self.nova_sel = _select_keys(self.prev, keys)
+            overlap = set(self.nova_sel) & set(self.mean_sel)
+            if overlap:
+                raise ValueError(f"keys and mean_keys overlap: {sorted(overlap)[:5]}")
+        self._p = {k: self.prev[k].astype(np.float64) for k in self.nova_sel}
+        self._steps = {k: np.zeros_like(self._p[k]) for k in self.nova_sel}
+        self._mean = RunningWeightedMean(self.mean_sel) if self.mean_sel else None
+        self.omega = 0.0      # sum_k omega_k
+        self.tau_sum = 0.0    # sum_k omega_k tau_k
+        self.count = 0
+
+    def add(self, state: State, tau: float, omega: float = 1.0) -> None:
+        tau, omega = float(tau), float(omega)
+        if not tau > 0:
+            raise ValueError(f"taus must be positive numbers, got {tau}")
+        if not np.isfinite(omega) or omega < 0:
+            raise ValueError(f"omegas must be finite and >= 0, got {omega}")
+        d = _as_dict(state)
+        _check_shapes([self.prev, d], self.nova_sel + list(self.mean_sel))
+        c = omega / tau
+        for k in self.nova_sel:
+            self._steps[k] += c * (self._p[k] - d[k].astype(np.float64, copy=False))
+        if self._mean is not None:
+            self._mean.add(d, omega)
+        self.omega += omega
+        self.tau_sum += omega * tau
+        self.count += 1
+
+    def result(self):
+        """``(theta^t, tau)``, shaped like ``global_prev``; keys outside both sets keep its values."""
+        if self.count == 0:
+            raise ValueError("need at least one client state")
+        if self.omega <= 0:
+            raise ValueError("omegas must not all be zero")
+        tau = self.tau_sum / self.omega
+        out = {k: v.copy() for k, v in self.prev.items()}
+        for k in self.nova_sel:
+            out[k] = _cast(self._p[k] - tau * (self._steps[k] / self.omega), self.prev[k])
+        if self._mean is not None:
+            out.update(self._mean.result())
+        return _like(self._template, out), tau
 
 
 def vr_correction_update(
