@@ -51,7 +51,6 @@ from split_layer.records import (
     model_to_record,
     query,
     record_to_numpy,
-    task_record,
 )
 from split_layer.rounds import (
     ByteMeter,
@@ -63,7 +62,7 @@ from split_layer.rounds import (
 )
 from split_layer.runtime import SplitRuntime
 from tasks.aggregate import RunningWeightedMean
-from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked
+from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked, to_flat
 from tasks.env import Env, NodeData, library_env, user_env
 from tasks.system import RoundClock, load_system
 from tasks.training import derive_seed, evaluate, load_numpy_state
@@ -300,8 +299,19 @@ class BaseStrategy(Strategy):
             cfg[COUNT_WORK_KEY] = True
         if self.env is not None:
             cfg.setdefault("num-classes", self.env.num_classes)
-        return RecordDict({TASK_KEY: task_record(self.task), ALGO_KEY: ConfigRecord(self.algo_flat()),
-                           CONFIG_KEY: ConfigRecord(cfg)})
+        task, algo = self._shared_records()
+        return RecordDict({TASK_KEY: task, ALGO_KEY: algo, CONFIG_KEY: ConfigRecord(cfg)})
+
+    def _shared_records(self) -> tuple[ConfigRecord, ConfigRecord]:
+        """The task and algorithm records, the same in every message while the task and the
+        algorithm config say the same: built once and shared (a round sends one per sampled
+        node, and building a record checks every value), rebuilt when a value changed."""
+        flat = (to_flat(self.task), self.algo_flat())
+        cached = getattr(self, "_records_cache", None)
+        if cached is None or cached[0] != flat:
+            cached = (flat, (ConfigRecord(flat[0]), ConfigRecord(flat[1])))
+            self._records_cache = cached
+        return cached[1]
 
     def algo_flat(self) -> dict[str, Any]:
         from tasks.config import to_flat
@@ -332,17 +342,25 @@ class BaseStrategy(Strategy):
         with self.clock_stage():
             return self._exchange(grid, messages, fold, timeout, poll)
 
-    def in_flight(self, grid: Grid, num_messages: int) -> int:
+    #: seconds of replies kept in flight by the auto window in a simulation: Flower's simulation
+    #: engine takes new instructions in every 0.1 s, so the window holds what the ClientApps
+    #: finish in a few of those periods (more for fast ClientApps, as few as 2 x CPUs for slow)
+    IN_FLIGHT_SECONDS = 0.5
+
+    def in_flight(self, grid: Grid, num_messages: int, replies_per_second: float = 0.0) -> int:
         """How many of a round's ``num_messages`` instructions are out at once (run-config
-        ``max-in-flight``; 0 = auto): in Flower's simulation engine and the in-process engine the
-        ClientApps share this machine's CPUs, so twice its CPU count keeps every worker busy while
-        the server holds that many instructions and replies, not one per sampled node; in a
-        deployment every node runs on its own machine, so all are sent at once (the SuperLink
-        holds them, and each reply is still folded in as it arrives)."""
+        ``max-in-flight``; 0 = auto). Auto, in Flower's simulation engine and the in-process
+        engine, where the ClientApps share this machine's CPUs: twice its CPU count, or the
+        replies of :attr:`IN_FLIGHT_SECONDS` at the rate they came so far in this exchange if
+        that is more, so that the workers never wait for the next instruction while the server
+        holds that many instructions and replies, not one per sampled node. Auto in a
+        deployment: every node runs on its own machine, so all are sent at once (the SuperLink
+        holds them; each reply is still folded in as it arrives)."""
         if self.policy.max_in_flight > 0:
             return self.policy.max_in_flight
         if type(grid).__name__ in ("InMemoryGrid", "LocalGrid"):
-            return max(self.policy.min_nodes, 2 * (os.cpu_count() or 1))
+            return max(self.policy.min_nodes, 2 * (os.cpu_count() or 1),
+                       math.ceil(replies_per_second * self.IN_FLIGHT_SECONDS))
         return max(num_messages, 1)
 
     def clock_stage(self):
@@ -361,9 +379,12 @@ class BaseStrategy(Strategy):
         queue = iter(messages)
         unsent = len(messages)
         by_id: dict[str, int] = {}
-        folded = 0
-        deadline = time.time() + timeout
+        folded = answered = 0
+        start = time.time()
+        deadline = start + timeout
         while (by_id or unsent) and time.time() < deadline:
+            if unsent and answered:
+                window = self.in_flight(grid, len(messages), answered / max(time.time() - start, 1e-6))
             if unsent and len(by_id) < window:
                 batch = [m for _, m in zip(range(min(window - len(by_id), unsent)), queue)]
                 unsent -= len(batch)
@@ -376,6 +397,7 @@ class BaseStrategy(Strategy):
                 if rid not in by_id:
                     continue
                 arrived = True
+                answered += 1
                 node = by_id.pop(rid)
                 if r.has_error():
                     self.drop(node, f"error {r.error.code}: {describe_error(r.error.reason or '')}")

@@ -10,6 +10,7 @@ modules use the same machinery for their own namespaced keys.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -94,8 +95,15 @@ def check_field(key: str, value: Any, typ: type, meta: dict) -> Any:
 
 
 def fields_of(cls) -> list[tuple[dataclasses.Field, type]]:
+    """``(field, type)`` of every field of dataclass ``cls`` (resolved once per class: the
+    server builds a task record per message, thousands per round)."""
+    return list(_fields_of(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _fields_of(cls) -> tuple[tuple[dataclasses.Field, type], ...]:
     hints = get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
 def parse_dataclass(cls, flat: dict[str, Any], prefix: str = "", *, strict: bool = True):

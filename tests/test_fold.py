@@ -160,6 +160,9 @@ def test_auto_window_in_a_simulation_and_in_a_deployment(monkeypatch):
 
     assert s.in_flight(InMemoryGrid(), 1000) == 6 and s.in_flight(LocalGrid(2, dispatch), 1000) == 6
     assert s.in_flight(GrpcGrid(), 1000) == 1000
+    # fast ClientApps: the replies of half a second at the rate seen so far (the engine's 0.1 s intake)
+    assert s.in_flight(InMemoryGrid(), 1000, replies_per_second=100.0) == 50
+    assert s.in_flight(InMemoryGrid(), 1000, replies_per_second=2.0) == 6
     s.policy.max_in_flight = 5
     assert s.in_flight(GrpcGrid(), 1000) == 5
 
