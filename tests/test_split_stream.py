@@ -246,6 +246,9 @@ def test_other_ops_go_through_flower_messages():
     class S(Owner):
         exchange = BaseStrategy.exchange
         _exchange = BaseStrategy._exchange
+        exchange_fold = BaseStrategy.exchange_fold
+        in_flight = BaseStrategy.in_flight
+        IN_FLIGHT_SECONDS = BaseStrategy.IN_FLIGHT_SECONDS
         clock_stage = BaseStrategy.clock_stage
         note_work = BaseStrategy.note_work
         count_bytes = BaseStrategy.count_bytes
