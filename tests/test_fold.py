@@ -15,9 +15,9 @@ from split_layer.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
 from split_layer.rounds import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_names, get_algorithm
-from tasks import env as task_env
 from tasks.aggregate import RunningFedNova, RunningWeightedMean, fednova_aggregate, weighted_mean
 from tests.faulty_grid import inject_failures
+from tests.test_conformance import _fresh_plan_cache  # noqa: F401 (autouse: each test plans afresh)
 from tests.test_conformance import INFO_ACTIONS, NODES, config, op_of
 
 FULL_MODEL = [a for a in algorithm_names() if not get_algorithm(a).strategy_cls.staged]
@@ -82,13 +82,6 @@ def _build(algo: str, window: int, **over):
 
 def _final(s):
     return {k: v.detach().cpu().numpy().copy() for k, v in s.model.state_dict().items()}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_plan_cache():
-    task_env.plan_cached.cache_clear()
-    yield
-    task_env.plan_cached.cache_clear()
 
 
 @pytest.mark.parametrize("algo", FULL_MODEL)
