@@ -230,6 +230,11 @@ class SplitRuntime:
         return {k: v.detach().cpu().numpy().copy() for k, v in bottom_state(self.model, self.cut).items()}
 
     def aggregate_bottoms(self, finals: dict[int, Envelope]) -> None:
+        """The ``|D_k|``-weighted mean of the final bottoms, in partition order. A split round
+        holds its participants' finals until it ends rather than folding each as it arrives
+        (issue 30): its iterations already need every participant at once (SCALA and CA-SFL
+        concatenate all their activations in each server step; the sequential variants order the
+        nodes), and a bottom is the few layers below the cut, not the model."""
         nodes = self.order(finals)
         new = weighted_mean([finals[n].arrays["bottom"] for n in nodes],
                             [float(self.num_examples(n)) for n in nodes])

@@ -263,9 +263,10 @@ class DataSharingStrategy(BaseStrategy):
         self._round_nodes: dict[int, int] = {}
         msgs = list(self.configure_train(server_round, self.global_arrays(), ConfigRecord(), grid))
         self.sent.update(self._round_nodes.values())
-        replies = self.exchange(grid, msgs)   # (a dropped node leaves self.sent: see drop)
-        arrays, metrics = self.aggregate_train(server_round, replies)
-        out.update({"participants": len(replies), **self.report})
+        fold = self.train_fold(server_round)   # FedAvg's weighted mean, each reply folded as it arrives
+        folded = self.exchange_fold(grid, msgs, fold.add)   # (a dropped node leaves self.sent: see drop)
+        arrays, metrics = fold.finish()
+        out.update({"participants": folded, **self.report})
         if arrays is None:
             out["skipped"] = 1
         if metrics is not None:

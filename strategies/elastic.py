@@ -127,11 +127,40 @@ def easgd_worker(x: dict[str, np.ndarray], z: dict[str, np.ndarray], a: float) -
     return _cast_like({k: xf[k] - a * (xf[k] - zf[k]) for k in xf}, x)
 
 
+class SumFold:
+    """A running float64 sum of states, folded one at a time (the server then lets each go):
+    ``add(x)`` adds ``x - centre`` (or ``x`` without a centre); ``result()`` hands the sum and the
+    count to ``finish``. The same additions in the same order as summing the list at once."""
+
+    def __init__(self, like: dict[str, np.ndarray], finish, centre: dict[str, np.ndarray] | None = None):
+        self.like, self.finish, self.centre = like, finish, centre
+        self.sums: dict[str, Any] = {k: 0 for k in like}
+        self.count = 0
+
+    def add(self, x: dict[str, np.ndarray]) -> None:
+        for k in self.sums:
+            v = np.asarray(x[k], dtype=np.float64)
+            self.sums[k] = self.sums[k] + (v - self.centre[k] if self.centre is not None else v)
+        self.count += 1
+
+    def result(self) -> dict[str, np.ndarray]:
+        if self.count == 0:
+            raise ValueError("need at least one state")
+        return _cast_like(self.finish(self.sums, self.count), self.like)
+
+
+def easgd_fold(z: dict[str, np.ndarray], a: float) -> SumFold:
+    """The centre's step ``z <- z + a sum_i (x_i - z)``, folded over the workers' pre-update ``x_i``."""
+    zf = _f64(z)
+    return SumFold(z, lambda sums, _: {k: zf[k] + a * sums[k] for k in zf}, centre=zf)
+
+
 def easgd_centre(z: dict[str, np.ndarray], xs: list[dict[str, np.ndarray]], a: float) -> dict[str, np.ndarray]:
     """The centre's step ``z <- z + a sum_i (x_i - z)`` with the workers' pre-update ``x_i``."""
-    zf = _f64(z)
-    out = {k: zf[k] + a * sum(np.asarray(x[k], dtype=np.float64) - zf[k] for x in xs) for k in zf}
-    return _cast_like(out, z)
+    fold = easgd_fold(z, a)
+    for x in xs:
+        fold.add(x)
+    return fold.result()
 
 
 def overlap_worker(x: dict[str, np.ndarray], v: dict[str, np.ndarray] | None, z: dict[str, np.ndarray],
@@ -147,11 +176,17 @@ def overlap_worker(x: dict[str, np.ndarray], v: dict[str, np.ndarray] | None, z:
             _cast_like(contrib, z))
 
 
+def overlap_fold(like: dict[str, np.ndarray]) -> SumFold:
+    """The all-reduce, folded: the mean of the workers' ``z_i'`` (the next round's anchor)."""
+    return SumFold(like, lambda sums, n: {k: v / n for k, v in sums.items()})
+
+
 def overlap_anchor(contribs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The all-reduce: the mean of the workers' ``z_i'`` (the next round's anchor)."""
-    ref = contribs[0]
-    return _cast_like({k: sum(np.asarray(c[k], dtype=np.float64) for c in contribs) / len(contribs)
-                       for k in ref}, ref)
+    fold = overlap_fold(contribs[0])
+    for c in contribs:
+        fold.add(c)
+    return fold.result()
 
 
 # --------------------------------------------------------------------------- worker side
@@ -235,23 +270,30 @@ class _ElasticStrategy(BaseStrategy):
     def round_config(self, server_round: int, grid: Grid) -> dict[str, Any]:
         return {}
 
-    def combine(self, z: dict[str, np.ndarray], replies: list[dict[str, np.ndarray]], conf: dict) -> dict:
+    def fold(self, z: dict[str, np.ndarray], conf: dict) -> SumFold:
+        """The rule that combines the round's replies with the centre ``z``, folded one reply at a
+        time as it arrives (:class:`SumFold`)."""
         raise NotImplementedError
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         conf = self.round_config(server_round, grid)
         msgs = list(self.configure_train(server_round, self.global_arrays(), ConfigRecord(conf), grid))
-        replies = self.exchange(grid, msgs)
-        out: dict[str, Any] = {"participants": len(replies), **conf}
-        if len(replies) < self.policy.min_nodes:
+        z = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
+        fold, loss = self.fold(z, conf), [0.0, 0.0]   # sum n_k loss_k, sum n_k
+
+        def add(r: Message) -> None:
+            fold.add(record_to_numpy(r.content.array_records[ARRAYS_KEY]))
+            m = r.content.metric_records[METRICS_KEY]
+            loss[0] += float(m["num-examples"]) * float(m["train-loss"])
+            loss[1] += float(m["num-examples"])
+
+        folded = self.exchange_fold(grid, msgs, add)
+        out: dict[str, Any] = {"participants": folded, **conf}
+        if folded < self.policy.min_nodes:
             out["skipped"] = 1
             return out
-        states = [record_to_numpy(r.content.array_records[ARRAYS_KEY]) for r in replies]
-        mets = [r.content.metric_records[METRICS_KEY] for r in replies]
-        z = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
-        load_numpy_state(self.model, self.combine(z, states, conf))
-        n = [float(m["num-examples"]) for m in mets]
-        out["train-loss"] = float(np.average([float(m["train-loss"]) for m in mets], weights=n))
+        load_numpy_state(self.model, fold.result())
+        out["train-loss"] = loss[0] / loss[1] if loss[1] > 0 else float("nan")
         return out
 
 
@@ -274,15 +316,15 @@ class EASGDStrategy(_ElasticStrategy):
         workers = len(grid.get_node_ids())
         return {"elastic-a": float(self.moving_rate(workers)), "workers": workers}
 
-    def combine(self, z, replies, conf):
-        return easgd_centre(z, replies, float(conf["elastic-a"]))
+    def fold(self, z, conf):
+        return easgd_fold(z, float(conf["elastic-a"]))
 
 
 class OverlapSGDStrategy(_ElasticStrategy):
     """Overlap Local-SGD (Wang, Liang, Joshi 2020): the server holds the anchor z."""
 
-    def combine(self, z, replies, conf):
-        return overlap_anchor(replies)
+    def fold(self, z, conf):
+        return overlap_fold(z)
 
 
 ALGORITHMS = bind({

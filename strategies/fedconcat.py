@@ -95,7 +95,7 @@ from split_layer.records import (
     numpy_to_record,
     record_to_numpy,
 )
-from tasks.aggregate import weighted_mean
+from tasks.aggregate import RunningWeightedMean
 from tasks.config import knob
 from tasks.fedconcat_model import ConcatModel, check_split, concat_heads, head_keys, strip_head
 from tasks.kmeans import kmeans, nearest, size_cap
@@ -268,23 +268,29 @@ class FedConcatStrategy(LabelHistograms, BaseStrategy):
             content = self.base_content(server_round, **{STAGE: "encoder", "fedconcat-cluster": of[n]})
             content[ARRAYS_KEY] = records[of[n]]
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
-        replies = self.exchange(grid, msgs)
-        if len(replies) < self.policy.min_nodes:
-            return {"participants": len(replies), "skipped": 1}
-        by_cluster: dict[int, list[Message]] = {}
-        for r in replies:
-            by_cluster.setdefault(of[r.metadata.src_node_id], []).append(r)
+        # each reply folded into its cluster's running weighted mean as it arrives, then let go
+        means: dict[int, RunningWeightedMean] = {}
+        told: dict[int, list[tuple[float, float]]] = {}   # cluster -> (loss, n_k) per reply
+
+        def fold(r: Message) -> None:
+            c = of[r.metadata.src_node_id]
+            met = r.content.metric_records[METRICS_KEY]
+            n_k = float(met["num-examples"])
+            means.setdefault(c, RunningWeightedMean()).add(record_to_numpy(r.content.array_records[ARRAYS_KEY]), n_k)
+            told.setdefault(c, []).append((float(met["train-loss"]), n_k))
+
+        folded = self.exchange_fold(grid, msgs, fold)
+        if folded < self.policy.min_nodes:
+            return {"participants": folded, "skipped": 1}
         losses, weights = [], []
-        for c, rs in sorted(by_cluster.items()):
-            n_k = [float(r.content.metric_records[METRICS_KEY]["num-examples"]) for r in rs]
-            if sum(n_k) <= 0:
+        for c, mean in sorted(means.items()):
+            if mean.total <= 0:
                 continue
-            self.cluster_states[c] = _arrays(weighted_mean(
-                [record_to_numpy(r.content.array_records[ARRAYS_KEY]) for r in rs], n_k))
-            losses += [float(r.content.metric_records[METRICS_KEY]["train-loss"]) for r in rs]
-            weights += n_k
+            self.cluster_states[c] = _arrays(mean.result())
+            losses += [lo for lo, _ in told[c]]
+            weights += [n for _, n in told[c]]
         self._concat = None
-        out: dict[str, Any] = {"participants": len(replies), "clusters-trained": len(by_cluster)}
+        out: dict[str, Any] = {"participants": folded, "clusters-trained": len(means)}
         if weights:
             out["train-loss"] = float(np.average(losses, weights=weights))
         return out
@@ -318,14 +324,19 @@ class FedConcatStrategy(LabelHistograms, BaseStrategy):
                 content[f"encoder.{c}"] = encoders[c]
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
         self._fresh = {n for n in nodes if n not in self.encoders_at}
-        replies = self.exchange(grid, msgs)
+        mean, losses = RunningWeightedMean(), []   # the heads' uniform mean, folded as they arrive
+
+        def fold(r: Message) -> None:
+            mean.add(record_to_numpy(r.content.array_records[HEAD]), 1.0)
+            losses.append(float(r.content.metric_records[METRICS_KEY]["train-loss"]))
+
+        folded = self.exchange_fold(grid, msgs, fold)
         self.encoders_at.update(m.metadata.dst_node_id for m in msgs)
-        if len(replies) < self.policy.min_nodes:
-            return {"participants": len(replies), "skipped": 1}
-        self.head_state = _arrays(weighted_mean([record_to_numpy(r.content.array_records[HEAD]) for r in replies]))
+        if folded < self.policy.min_nodes:
+            return {"participants": folded, "skipped": 1}
+        self.head_state = _arrays(mean.result())
         self._concat = None
-        losses = [float(r.content.metric_records[METRICS_KEY]["train-loss"]) for r in replies]
-        return {"participants": len(replies), "train-loss": float(np.mean(losses))}
+        return {"participants": folded, "train-loss": float(np.mean(losses))}
 
     @property
     def label_noise_eps(self) -> float:   # the nodes noise their label histograms (LabelHistograms)

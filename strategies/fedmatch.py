@@ -278,7 +278,11 @@ class FedMatchStrategy(BaseStrategy):
         return out
 
     def aggregate_psi(self, replies: list[Message], psi_sent: dict[str, np.ndarray]) -> dict[str, float]:
-        """psi = uniform mean of the decoded uploads; each upload's embedding (for helpers)."""
+        """psi = uniform mean of the decoded uploads; each upload's embedding (for helpers).
+
+        Takes the round's replies together rather than folding each as it arrives (issue 30): the
+        server keeps every client's decoded psi anyway (``client_psi``, the helpers it sends to
+        other clients, the paper's design), so the replies cost no memory beyond that store."""
         uploads = [decode_upload(record_to_numpy(r.content.array_records[UPLOAD_KEY]), psi_sent) for r in replies]
         dev = self.env.device
         for r, up in zip(replies, uploads):

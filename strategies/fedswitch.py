@@ -92,7 +92,7 @@ from split_layer.records import (
     model_to_record,
     record_to_numpy,
 )
-from tasks.aggregate import weighted_mean
+from tasks.aggregate import RunningWeightedMean
 from tasks.config import ConfigError, knob
 from tasks.ema import ema_update
 from tasks.fedswitch_rule import server_steps, train_fedswitch
@@ -176,22 +176,29 @@ class FedSwitchStrategy(BaseStrategy):
             decay=self.cfg.ema_decay))
         msgs = list(self.configure_train(server_round, self.global_arrays(),
                                          ConfigRecord({"fedswitch-lr": float(lr)}), grid))
-        replies = sorted(self.exchange(grid, msgs), key=lambda r: r.metadata.src_node_id)
-        out.update({"participants": len(replies), "lr": float(lr)})
-        if len(replies) < max(self.policy.min_nodes, 1):
+        fold = ClientsFold(self)   # each reply folded as it arrives, then let go
+        folded = self.exchange_fold(grid, msgs, fold.add)
+        out.update({"participants": folded, "lr": float(lr)})
+        if folded < max(self.policy.min_nodes, 1):
             out["skipped"] = 1
-            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, len(replies),
+            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, folded,
                 self.policy.min_nodes)
         else:
-            out.update(self.aggregate_clients(replies))
+            out.update(fold.finish())
         return out
 
     def aggregate_clients(self, replies: list[Message]) -> dict[str, float]:
-        """w = uniform mean of the w_i, then w~ <- g w~ + (1 - g) w; the reply metrics."""
-        states = [record_to_numpy(r.content.array_records[ARRAYS_KEY]) for r in replies]
-        load_numpy_state(self.model, weighted_mean(states, [1.0] * len(states)))
+        """w = uniform mean of the w_i, then w~ <- g w~ + (1 - g) w; the reply metrics
+        (:class:`ClientsFold` over a list)."""
+        fold = ClientsFold(self)
+        for r in replies:
+            fold.add(r)
+        return fold.finish()
+
+    def finish_clients(self, mean: dict[str, np.ndarray], mets: list) -> dict[str, float]:
+        """Load the clients' uniform mean w, then w~ <- g w~ + (1 - g) w; the reply metrics."""
+        load_numpy_state(self.model, mean)
         ema_update(self.teacher, self.model, self.cfg.ema_decay)
-        mets = [r.content.metric_records[METRICS_KEY] for r in replies]
         seen = np.array([float(m["num-examples"]) for m in mets])
         w = seen if seen.sum() > 0 else np.ones(len(mets))
         out = {k: float(np.average([float(m.get(k, float("nan"))) for m in mets], weights=w))
@@ -244,6 +251,22 @@ def client_train(msg: Message, context: Context) -> Message:
         local_decay=cfg.local_ema_decay)
     return Message(RecordDict({ARRAYS_KEY: model_to_record(student), METRICS_KEY: MetricRecord(metrics)}),
                    reply_to=msg)
+
+
+class ClientsFold:
+    """FedSwitch's round, folded: the uniform mean of the clients' ``w_i`` as running float64
+    sums (:class:`tasks.aggregate.RunningWeightedMean`) and their small metric records, each reply
+    added as it arrives; :meth:`finish` is :meth:`FedSwitchStrategy.finish_clients`."""
+
+    def __init__(self, strategy: "FedSwitchStrategy") -> None:
+        self.strategy, self.mean, self.mets = strategy, RunningWeightedMean(), []
+
+    def add(self, reply: Message) -> None:
+        self.mean.add(record_to_numpy(reply.content.array_records[ARRAYS_KEY]), 1.0)
+        self.mets.append(reply.content.metric_records[METRICS_KEY])
+
+    def finish(self) -> dict[str, float]:
+        return self.strategy.finish_clients(self.mean.result(), self.mets)
 
 
 ALGORITHMS = bind({

@@ -96,7 +96,7 @@ from split_layer.records import (
     numpy_to_record,
     record_to_numpy,
 )
-from tasks.aggregate import weighted_mean
+from tasks.aggregate import RunningWeightedMean
 from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
 from tasks.schedules import cosine_decay
@@ -301,28 +301,30 @@ class SemiFLStrategy(BaseStrategy):
             content = self.base_content(server_round, lr=lr)
             content[ARRAYS_KEY] = arrays
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
-        replies = self.exchange(grid, msgs)
-        out["participants"] = len(replies)
-        if len(replies) < self.policy.min_nodes:
-            out["skipped"] = 1
-            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, len(replies),
-                self.policy.min_nodes)
-            return out
-        mets = [dict(r.content.metric_records[METRICS_KEY]) for r in replies]
-        uploads = []
-        for r in replies:
+        # each reply folded as it arrives (the uniform mean's running sums, its small metrics
+        # kept), then let go: the server holds one model's worth however many clients reply
+        mean, mets = RunningWeightedMean(keys=self.keys), []
+
+        def fold(r: Message) -> None:
+            mets.append(dict(r.content.metric_records[METRICS_KEY]))
             if ARRAYS_KEY not in r.content.array_records:   # (a client with an empty fix set)
-                continue
+                return
             u = record_to_numpy(r.content.array_records[ARRAYS_KEY])
             if set(u) != set(self.keys):
                 self.drop(r.metadata.src_node_id, "its upload is not the model's trainable parameters: "
                           f"{sorted(set(u) ^ set(self.keys))[:5]}")
-                continue
-            uploads.append(u)
-        out["trained-clients"] = len(uploads)
-        if uploads:
-            wbar = weighted_mean(uploads, [1.0] * len(uploads), keys=self.keys)
-            new_w, self.velocity = global_momentum_step(self.params(), wbar, self.velocity,
+                return
+            mean.add(u, 1.0)
+
+        out["participants"] = self.exchange_fold(grid, msgs, fold)
+        if out["participants"] < self.policy.min_nodes:
+            out["skipped"] = 1
+            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, out["participants"],
+                self.policy.min_nodes)
+            return out
+        out["trained-clients"] = mean.count
+        if mean.count:
+            new_w, self.velocity = global_momentum_step(self.params(), mean.result(), self.velocity,
                                                         self.cfg.global_momentum)
             load_numpy_state(self.model, new_w, strict=False)
         out["server-train-loss"] = self.server_stage(server_round, lr, "fine-tune")["train-loss"]

@@ -102,11 +102,11 @@ from split_layer.records import (
 )
 from .base import BaseStrategy
 from tasks.aggregate import (
+    RunningDiversity,
+    RunningWeightedMean,
+    combine_groups,
     contiguous_groups,
-    grouped_average,
-    mean_including_server,
     state_delta,
-    weight_diversity,
 )
 from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
@@ -369,18 +369,20 @@ class SSFLStrategy(BaseStrategy):
             content[ARRAYS_KEY] = rec
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
             sent[n] = g
-        replies = self.exchange(grid, msgs)
-        users: dict[int, dict[str, np.ndarray]] = {}
+        # each reply folded into its group's running sums as it arrives, then let go
+        fold = UsersFold(self, sent)
         mets: list[dict[str, float]] = []
-        for r in replies:
-            rec = r.content.array_records[ARRAYS_KEY]
-            users[r.metadata.src_node_id] = record_to_numpy(rec)
+
+        def add(r: Message) -> None:
+            fold.add(r.metadata.src_node_id, record_to_numpy(r.content.array_records[ARRAYS_KEY]))
             mets.append({k: (list(v) if isinstance(v, list) else float(v))
                          for k, v in r.content.metric_records[METRICS_KEY].items()})
-        out: dict[str, Any] = {"participants": len(replies), **warm}
-        if len(users) < self.policy.min_nodes:
+
+        folded = self.exchange_fold(grid, msgs, add)
+        out: dict[str, Any] = {"participants": folded, **warm}
+        if fold.count < self.policy.min_nodes:
             out["skipped"] = 1
-            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, len(users),
+            log(WARNING, "round %s skipped: %s usable replies < min-nodes=%s", server_round, fold.count,
                 self.policy.min_nodes)
             return out
         # the server's own period on its labeled data (Eq. 2), from w_avg
@@ -389,7 +391,7 @@ class SSFLStrategy(BaseStrategy):
         srv = train_supervised(self.model, data, aug=self.env.augmenter, steps=self.period,
                                batch_size=self.task.batch_size, optimizer=self.optimizer, device=self.env.device,
                                seed=derive_seed(self.task.seed, "ssfl-server", server_round), lr_fn=lr_fn)
-        out.update(self.aggregate_users(users, {n: sent[n] for n in users}))
+        out.update(fold.finish())
         n_ex = np.array([m["num-examples"] for m in mets])
         told = [(m["train-loss"], m["num-examples"]) for m in mets if "train-loss" in m]
         if told:   # (users with no confident pseudo-label measured no loss)
@@ -423,23 +425,13 @@ class SSFLStrategy(BaseStrategy):
 
         ``users``: node -> uploaded parameters; ``user_group``: node -> the group whose
         model it received. Loads w_avg into the server model (its buffers untouched),
-        stores the group models for the next round and returns the weight diversity.
+        stores the group models for the next round and returns the weight diversity
+        (:class:`UsersFold` over the users in node order).
         """
-        server = self.server_params()
-        nodes = sorted(users)
-        updates = [state_delta(users[n], self.group_params[user_group[n]], keys=self.classifier_keys) for n in nodes]
-        div = weight_diversity(updates)
-        if self.cfg.groups == 1:
-            avg = mean_including_server(server, [users[n] for n in nodes], keys=self.keys)
-            group_states = [avg]
-        else:
-            groups = [[n for n in nodes if user_group[n] == i] for i in range(self.cfg.groups)]
-            avg, group_states = grouped_average(server, users, groups, keys=self.keys)
-        load_numpy_state(self.model, avg, strict=False)
-        self.group_params = [{k: np.asarray(g[k]) for k in self.keys} for g in group_states]
-        if not math.isfinite(div):   # all users' updates zero (nothing above tau yet) or cancelling
-            return {}
-        return {"weight-diversity": div, "weight-diversity-k": div * len(updates)}
+        fold = UsersFold(self, user_group)
+        for n in sorted(users):
+            fold.add(n, users[n])
+        return fold.finish()
 
     # ---------------------------------------------------------------- checkpoints
     def extra_state(self) -> dict[str, Any]:
@@ -449,6 +441,53 @@ class SSFLStrategy(BaseStrategy):
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.group_params = state.get("group_params")
+
+
+
+class UsersFold:
+    """SSFL's aggregation (Eq. 5 / Eq. 6 and the weight diversity), folded one user at a time as
+    the replies arrive: per group, the running sum of its users' parameters
+    (:class:`tasks.aggregate.RunningWeightedMean`), and the diversity's running sums of the
+    classifier updates ``u_i = w_i - w_avg,i`` (:class:`tasks.aggregate.RunningDiversity`). The
+    server's own model w_s is one more member of every group, added in :meth:`finish` (after its
+    period, as in the paper's round); a group nobody replied to keeps w_s."""
+
+    def __init__(self, strategy: "SSFLStrategy", user_group: dict[int, int]) -> None:
+        self.s, self.user_group = strategy, user_group
+        self.groups = [RunningWeightedMean(keys=strategy.keys) for _ in range(strategy.cfg.groups)]
+        self.diversity = RunningDiversity(keys=strategy.classifier_keys)
+        self.nodes: set[int] = set()
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
+
+    def add(self, node: int, state: dict[str, np.ndarray]) -> None:
+        g = self.user_group[node]
+        self.diversity.add(state_delta(state, self.s.group_params[g], keys=self.s.classifier_keys))
+        self.groups[g].add(state, 1.0)
+        self.nodes.add(node)
+
+    def finish(self) -> dict[str, float]:
+        """Loads w_avg into the server model (its buffers untouched), stores the group models
+        for the next round; returns the weight diversity."""
+        s = self.s
+        server = s.server_params()
+        per_group = []
+        for g in self.groups:
+            g.add(server, 1.0)   # w_avg,i = (w_s + sum_{k in G_i} w_k) / (|G_i| + 1)
+            per_group.append(g.result())
+        if len(per_group) == 1:
+            avg = {**{k: v.copy() for k, v in server.items()}, **per_group[0]}
+            group_states = [avg]
+        else:
+            avg, group_states = combine_groups(server, per_group, keys=s.keys)
+        load_numpy_state(s.model, avg, strict=False)
+        s.group_params = [{k: np.asarray(g[k]) for k in s.keys} for g in group_states]
+        div = self.diversity.result()
+        if not math.isfinite(div):   # all users' updates zero (nothing above tau yet) or cancelling
+            return {}
+        return {"weight-diversity": div, "weight-diversity-k": div * self.diversity.count}
 
 
 _PAPER = "Zhang et al. 2020, Benchmarking Semi-supervised Federated Learning"

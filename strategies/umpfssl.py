@@ -426,6 +426,10 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
                 else float("nan")}
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
+        """One round: select helpers, train, upload into the pool. The uploads are taken together
+        rather than folded (issue 30): each client's model goes into the pool that every client's
+        personalised aggregation reads from (the paper's per-client weighted aggregation over its
+        helpers), so the server keeps every participant's model by design."""
         cfg, t = self.cfg, server_round
         out: dict[str, Any] = {}
         if not self.pool:

@@ -258,6 +258,16 @@ def grouped_average(server_state: State, client_states, groups: Sequence[Sequenc
     for g in groups:
         members = [server] + [_as_dict(client_states[k]) for k in g]
         per_group.append(weighted_mean(members, None, keys=sel))
+    return combine_groups(server_state, per_group, keys=sel)
+
+
+def combine_groups(server_state: State, per_group: Sequence[dict], keys=None):
+    """The last step of :func:`grouped_average` (Eq. 6), from the group means ``w_avg,i`` (each
+    already including the server, e.g. folded reply by reply with
+    :class:`RunningWeightedMean`): ``w_avg = (1/S) sum_i w_avg,i`` in float64, cast back, and
+    each group's full state. Returns ``(server_avg, [w_avg,1, ..., w_avg,S])``."""
+    server = _as_dict(server_state)
+    sel = _select_keys(server, keys)
     # Mean of the group averages, done in float64 before casting back.
     server_avg = {k: v.copy() for k, v in server.items()}
     for k in sel:
@@ -304,20 +314,44 @@ def weight_diversity(updates: Sequence[State], keys=None, *, times_k: bool = Fal
     if len(updates) == 0:
         raise ValueError("need at least one update")
     dicts = [_as_dict(u) for u in updates]
-    sel = _select_keys(dicts[0], keys)
-    _check_shapes(dicts, sel)
-    num = 0.0
-    total = {k: np.zeros(dicts[0][k].shape, dtype=np.float64) for k in sel}
+    _check_shapes(dicts, _select_keys(dicts[0], keys))
+    div = RunningDiversity(keys)
     for d in dicts:
-        for k in sel:
+        div.add(d)
+    return div.result(times_k=times_k)
+
+
+class RunningDiversity:
+    """:func:`weight_diversity` folded one update at a time: ``sum_i ||u_i||^2`` and the running
+    ``sum_i u_i`` in float64 (one model's worth, however many updates)."""
+
+    def __init__(self, keys=None) -> None:
+        self.keys = None if keys is None else list(keys)
+        self.num = 0.0
+        self.total: dict | None = None
+        self.count = 0
+
+    def add(self, update: State) -> None:
+        d = _as_dict(update)
+        if self.total is None:
+            self.keys = _select_keys(d, self.keys)
+            self.total = {k: np.zeros(d[k].shape, dtype=np.float64) for k in self.keys}
+        for k in self.keys:
+            if d[k].shape != self.total[k].shape:
+                raise ValueError(f"shape mismatch for {k!r}: {d[k].shape} vs {self.total[k].shape}")
             v = d[k].astype(np.float64, copy=False)
-            num += float(np.sum(v * v))
-            total[k] += v
-    den = float(sum(np.sum(v * v) for v in total.values()))
-    if den == 0.0:
-        return float("nan") if num == 0.0 else float("inf")
-    ratio = num / den
-    return ratio * len(dicts) if times_k else ratio
+            self.num += float(np.sum(v * v))
+            self.total[k] += v
+        self.count += 1
+
+    def result(self, times_k: bool = False) -> float:
+        if self.count == 0:
+            raise ValueError("need at least one update")
+        den = float(sum(np.sum(v * v) for v in self.total.values()))
+        if den == 0.0:
+            return float("nan") if self.num == 0.0 else float("inf")
+        ratio = self.num / den
+        return ratio * self.count if times_k else ratio
 
 
 # ---------------------------------------------------------------------------

@@ -199,3 +199,42 @@ def test_train_fold_equals_stacking_the_replies():
     for k in ref:
         assert np.array_equal(got[k], ref[k]), k
     assert metrics["train-loss"] == pytest.approx(np.average(losses, weights=ns), rel=1e-12)
+
+
+class _Watching(LocalGrid):
+    """A LocalGrid that holds weak references to the replies it hands out and records, at each
+    pull, how many of the earlier ones are still alive (held by the strategy's round)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.refs, self.most_alive = [], 0
+
+    def pull_messages(self, message_ids):
+        gc.collect()
+        self.most_alive = max(self.most_alive, sum(1 for r in self.refs if r() is not None))
+        got = list(super().pull_messages(message_ids))
+        self.refs.extend(weakref.ref(r) for r in got if op_of_reply(r) == "train")
+        return got
+
+
+def op_of_reply(r) -> str:
+    return r.metadata.message_type
+
+
+#: the algorithms whose own rounds fold (beside the default round and the FixMatch family)
+OWN_ROUNDS_FOLDED = ["ssfl", "ssfl-selftrain", "semifl", "fedswitch", "easgd", "overlapsgd", "datasharing", "fedconcat"]
+
+
+@pytest.mark.parametrize("algo", OWN_ROUNDS_FOLDED)
+def test_own_rounds_let_each_reply_go(algo):
+    """With one instruction in flight, a train reply is folded and let go before the next one
+    is pulled: never more than one earlier reply alive (a round that stacked its replies would
+    hold all of them but the last)."""
+    cfg = config(algo)
+    p = parse_run_config(cfg)
+    grid = _Watching(NODES, dispatch, run_config=cfg)
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60, max_in_flight=1))
+    rows: list[dict] = []
+    s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
+    assert rows[0]["participants"] == NODES and not rows[0].get("skipped"), rows
+    assert len(grid.refs) == NODES and grid.most_alive <= 1, (grid.most_alive, len(grid.refs))

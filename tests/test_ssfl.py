@@ -293,3 +293,40 @@ def test_round_reports_the_per_class_histogram_of_confident_pseudo_labels(monkey
     assert sum(m["pseudo-hist"]) == pytest.approx(m["mask-rate"] * s.period * s.task.batch_size * m["participants"])
     assert m["pseudo-classes"] == sum(v > 0 for v in m["pseudo-hist"])
     assert m["pseudo-main-class"] == int(np.argmax(m["pseudo-hist"]))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_users_folded_in_any_arrival_order_equal_the_stacked_rules(groups):
+    """The round folds each user as its reply arrives (issue 30): in any order, the server and
+    group models and the diversity equal Eq. 5 / Eq. 6 and Eq. 7 on the stacked users."""
+    from strategies.ssfl import UsersFold
+    from tasks.aggregate import grouped_average, mean_including_server, state_delta, weight_diversity
+
+    rng = np.random.default_rng(5)
+    users = {n: _rand_params(_strategy(groups), rng) for n in (3, 1, 4, 2, 5)}
+    sent = {n: (n % groups) for n in users}
+    got = []
+    for order in (sorted(users), [5, 3, 1, 4, 2]):
+        s = _strategy(groups)
+        s.group_params = [_rand_params(s, np.random.default_rng(9 + g)) for g in range(groups)]
+        base = [dict(g) for g in s.group_params]
+        ws = _rand_params(s, np.random.default_rng(7))
+        _set_server(s, ws)
+        fold = UsersFold(s, sent)
+        for n in order:
+            fold.add(n, users[n])
+        got.append((fold.finish(), _server_now(s), s.group_params))
+    nodes = sorted(users)
+    if groups == 1:
+        ref_avg = mean_including_server(ws, [users[n] for n in nodes], keys=s.keys)
+        ref_groups = [ref_avg]
+    else:
+        ref_avg, ref_groups = grouped_average(ws, users, [[n for n in nodes if sent[n] == g] for g in range(groups)],
+                                              keys=s.keys)
+    ref_div = weight_diversity([state_delta(users[n], base[sent[n]], keys=s.classifier_keys) for n in nodes])
+    for mets, server, group_params in got:
+        assert mets["weight-diversity"] == pytest.approx(ref_div, rel=1e-12)
+        for k in s.keys:
+            np.testing.assert_allclose(server[k], ref_avg[k], rtol=1e-12)
+            for g in range(groups):
+                np.testing.assert_allclose(group_params[g][k], ref_groups[g][k], rtol=1e-12)
