@@ -214,7 +214,7 @@ PAPERS: dict[str, Paper] = {
                  "references (Tables 3-4: DataSharing, EASGD, OverlapSGD; Nesterov momentum 0.9, constant lr) "
                  "keep T = 16 and K = 10 for parity (paper: T = 32 in Table 3, T in {2, 8} with K = 16 in Table 4)"),
     "fedshvr": Paper(
-        name="fedshvr", title="Fed-SHVR (Wang et al.): class-mismatch FSSL on MNIST",
+        name="fedshvr", title="Fed-SHVR (Wang et al.): class-mismatch FSSL",
         base={"dataset": "mnist5k", "model": "mlp", "norm": "none", "lr": 0.01, "momentum": 0.0,
               "weight-decay": 0.0, "batch-size": 32, "local-epochs": 2, "partition": "dirichlet",
               "partition-alpha": 0.5, "partition-labeled-per-client": 60, "partition-labeled-classes": 2,
@@ -471,12 +471,13 @@ def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float 
         table += "\n" + onset_table(runs)
     on = (f"\n\nOn {dataset} (`--dataset {dataset}`: {paper.datasets[dataset].overrides}): "
           f"{paper.datasets[dataset].settings}." if dataset else "")
-    text = (f"# {paper.title}\n\n{table}\nSettings: {paper.settings}.{on}\n\nPaper's ordering: {paper.expected}.\n"
+    title = f"{paper.title}, on {dataset or 'the embedded MNIST-5k'}"   # (the data the table was run on)
+    text = (f"# {title}\n\n{table}\nSettings: {paper.settings}.{on}\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
-    plot_seed_groups(groups, out / "report.png", title=paper.title)
+    plot_seed_groups(groups, out / "report.png", title=title)
     if any(r.has_sim for r in runs):
-        plot_cost(groups, out / "report-cost.png", title=paper.title, target=target)
+        plot_cost(groups, out / "report-cost.png", title=title, target=target)
     print(text)
     return text
 
