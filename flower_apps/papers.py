@@ -59,9 +59,12 @@ class Row:
 
 @dataclass(frozen=True)
 class Budget:
-    """A paper's comparison on another dataset: the base overrides and the budget in words."""
+    """A paper's comparison on another dataset: the base overrides and the budget in words;
+    ``rows``: a row's own overrides on this dataset, where its budget scales with the data
+    (over the row's keys, e.g. a shared set sized as a share of the users' data)."""
     overrides: dict[str, Any]
     settings: str
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class Paper:
         lines = [f"{self.name}: {self.title}", f"  settings: {self.settings}", f"  base: {self.base}"]
         for name, b in self.datasets.items():
             lines.append(f"  --dataset {name}: {b.overrides} ({b.settings})")
+            for row, keys in b.rows.items():
+                lines.append(f"      row {row} on {name}: {keys}")
         for table, methods in self.tables.items():
             lines.append(f"  {table}:")
             for _, m, rows in (c for c in self.coverage() if c[0] == table):
@@ -202,7 +207,10 @@ PAPERS: dict[str, Paper] = {
         datasets={"fashion-mnist": Budget(
             {"dataset": "fashion-mnist"},
             "the full Fashion-MNIST (59,000 user images, 1,000 server labels, 10,000 test images) at the MNIST-5k "
-            "budget: T = 16 steps per party per round whatever the data size")},
+            "budget: T = 16 steps per party per round whatever the data size; DataSharing's shared set G is "
+            "beta = 5% of the users' data as on MNIST-5k (2,950 here, 200 there), since 200 images cannot move "
+            "the R of 5,900-image users to 0.29",
+            rows={"datasharing-gn": {"server-labels": 2950}})},
         supernodes=10,
         tables={"design ablation (§9)": ("self-training", "CRL+BN", "CRL+GN", "CRL+GN+grouping"),
                 "Table 3": ("supervised FedAvg", "DataSharing", "ours (no user labels)"),
@@ -379,14 +387,16 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
 
 
 def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None = None,
-               sets: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None) -> tuple[dict, set[str]]:
+               sets: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
+               row_sets: dict[str, Any] | None = None) -> tuple[dict, set[str]]:
     """The fused run config of one (row, seed) and the keys set for it (the 'user' keys);
     ``sets``: keys set for every row (``--set``), over the paper's base, under the row's own;
+    ``row_sets``: this row's keys on the chosen dataset (:attr:`Budget.rows`), over the row's own;
     ``defaults``: the project's run config (default: read from pyproject.toml now)."""
     from flower_apps.simulate import fused_run_config
 
-    over = {**paper.base, **(sets or {}), **row.overrides, "seed": seed, "run-name": f"{row.name}-s{seed}",
-            "results-dir": str(out)}
+    over = {**paper.base, **(sets or {}), **row.overrides, **(row_sets or {}), "seed": seed,
+            "run-name": f"{row.name}-s{seed}", "results-dir": str(out)}
     if rounds is not None:
         over["num-rounds"] = rounds
     cfg = dict(defaults) if defaults is not None else fused_run_config(None)
@@ -424,8 +434,10 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
     """Run every (row, seed) of paper ``name`` that is not finished; write the report; return ``out``.
     ``dataset``: one of the paper's :attr:`Paper.datasets`, whose budget goes under ``sets``."""
     paper = PAPERS[name]
+    row_sets: dict[str, dict[str, Any]] = {}
     if dataset:
         sets = {**paper.datasets[dataset].overrides, **(sets or {})}
+        row_sets = paper.datasets[dataset].rows
     out = Path(out or Path("results") / "papers" / name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FLOWER_SSL_STATE_DIR", str(out / ".node-state"))
@@ -436,7 +448,7 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
     t_all = time.time()
     for row in chosen:
         for seed in seeds:
-            cfg, explicit = row_config(paper, row, seed, out, rounds, sets, defaults)
+            cfg, explicit = row_config(paper, row, seed, out, rounds, sets, defaults, row_sets.get(row.name))
             folder = out / cfg["run-name"]
             done = _done_rounds(folder)
             if done >= cfg["num-rounds"]:

@@ -34,10 +34,14 @@ def test_every_paper_has_a_fashion_mnist_budget_whose_rows_are_valid(paper, tmp_
     p = PAPERS[paper]
     budget = p.datasets["fashion-mnist"]
     assert budget.overrides["dataset"] == "fashion-mnist" and budget.settings
+    assert set(budget.rows) <= set(p.rows_by_name), "a dataset's row overrides name no row"
     for row in p.rows:
-        cfg, explicit = row_config(p, row, 0, tmp_path, sets=budget.overrides)
+        cfg, explicit = row_config(p, row, 0, tmp_path, sets=budget.overrides, row_sets=budget.rows.get(row.name))
         assert all(cfg[k] == v for k, v in budget.overrides.items() if k not in row.overrides)
+        assert all(cfg[k] == v for k, v in budget.rows.get(row.name, {}).items())   # over the row's own keys
         preflight(parse_run_config(cfg, explicit), p.supernodes)
+    if paper == "ssfl":   # DataSharing's G is 5% of the users' data on either dataset
+        assert budget.rows["datasharing-gn"]["server-labels"] == 2950
 
 
 def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
