@@ -37,15 +37,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.flower_harness import cmdline, descendants, free_port, kill_pids  # noqa: E402
+from tests.flower_harness import Managed, cmdline, descendants, free_port, kill_pids  # noqa: E402
 
 ACTOR_TITLE = "ray::ClientAppActor"
 
 
-class LocalRayCluster:
+class LocalRayCluster(Managed):
     """``nodes`` Ray nodes on loopback, each a ``ray start --block`` process in its own session,
-    ``cpus`` CPUs each. ``address`` is what ``RAY_ADDRESS`` takes. A context manager: leaving it
-    stops every process of every node (SIGTERM, then SIGKILL) and raises if one is left."""
+    ``cpus`` CPUs each. ``address`` is what ``RAY_ADDRESS`` takes. A context manager
+    (:class:`tests.flower_harness.Managed`): leaving it, or a failed start, stops every process
+    of every node (SIGTERM, then SIGKILL) and raises if one is left."""
 
     def __init__(self, workdir: Path, nodes: int = 2, cpus: float = 1, start_timeout: float = 120.0):
         if nodes < 1:
@@ -79,9 +80,9 @@ class LocalRayCluster:
                     "--include-dashboard=false", "--ray-client-server-port", str(free_port()), *common]
         else:
             args = ["ray", "start", "--address", self.address, *common]
-        log = open(self.workdir / f"ray-node{i}.log", "w")
-        self.procs.append(subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        with open(self.workdir / f"ray-node{i}.log", "w") as log:   # (the node keeps its own handle)
+            self.procs.append(subprocess.Popen(args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
         self._wait_alive(i + 1)
 
     def alive_nodes(self) -> int:
@@ -133,17 +134,9 @@ class LocalRayCluster:
         if left:
             raise RuntimeError(f"Ray processes left after stopping the cluster: {left}")
 
-    def __enter__(self) -> "LocalRayCluster":
-        try:
-            for i in range(self.nodes):
-                self._start_node(i)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def start(self) -> None:
+        for i in range(self.nodes):
+            self._start_node(i)
 
     # ------------------------------------------------------------------ observation
     def actors(self) -> dict[int, set[int]]:

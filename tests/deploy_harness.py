@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.flower_harness import (ROOT, alive, cmdline, descendants, free_port,  # noqa: F401
+from tests.flower_harness import (ROOT, Managed, alive, cmdline, descendants, free_port,  # noqa: F401
                                   kill_pids, pids_with_env)
 
 BIN = Path(sys.executable).parent
@@ -103,7 +103,7 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------- deployment
-class Deployment:
+class Deployment(Managed):
     """One SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1, insecure or TLS."""
 
     def __init__(self, workdir: Path, num_nodes: int = 3, tls: bool = False, name: str = "deploy",
@@ -139,18 +139,7 @@ class Deployment:
         self._restarts: dict[int, int] = {}
         self._files: list[Any] = []
 
-    # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "Deployment":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
+    # ------------------------------------------------------------------ lifecycle (Managed)
     def _popen(self, args: list[str], log_name: str, **kw: Any) -> subprocess.Popen:
         fh = open(self.logs / log_name, "ab")
         self._files.append(fh)

@@ -167,3 +167,26 @@ def split_reference(task, k: int):
     _, top = split_model(model, cut)
     datas = [env.bundle.train.subset(env.plan.clients[i].labeled) for i in range(k)]
     return env, model, cut, top, datas
+
+
+class Managed:
+    """A context manager over ``start()`` / ``stop()`` for what a test starts (a deployment, a
+    Ray cluster): ``stop()`` runs on leaving, and also when ``start()`` itself fails halfway."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
