@@ -24,6 +24,7 @@ runs without one get "n/a" there. Without any ``attack.json`` the tables are as 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -265,8 +266,21 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def _group_key(run: Run) -> str:
-    cfg = {k: v for k, v in run.config.items() if k not in _IGNORED_KEYS | _SEED_KEYS}
+    # a key the run predates (added to the project after it ran) ran at its default: runs from
+    # before and after the key was added are the same experiment when it is at its default
+    cfg = {k: v for k, v in {**_project_defaults(), **run.config}.items() if k not in _IGNORED_KEYS | _SEED_KEYS}
     return json.dumps(cfg, sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=1)
+def _project_defaults() -> dict[str, Any]:
+    """The project's run config as ``pyproject.toml`` gives it now (``{}`` where it cannot be read)."""
+    try:
+        from flower_apps.simulate import fused_run_config
+
+        return fused_run_config(None)
+    except Exception:   # (a report read outside the project: group on the saved keys alone)
+        return {}
 
 
 def _strip_seed(name: str) -> str:

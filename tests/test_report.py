@@ -113,3 +113,19 @@ def test_at_round_compares_runs_of_unequal_length(tmp_path):
     text = out.read_text()
     assert "| run | accuracy at round 2 | accuracy at round 4 |" in text
     assert "| long | 0.2000 | 0.4000 |" in text and "| short | 0.3500 | n/a |" in text
+
+
+def test_a_key_a_run_predates_groups_at_its_default(tmp_path):
+    """A run written before a run-config key existed (no such key in its config.json) is the same
+    experiment as a later run with the key at its default, and another one at another value."""
+    from flower_apps.report import read_run, seed_groups
+    from flower_apps.simulate import fused_run_config
+
+    defaults = fused_run_config(None)
+    base = {**defaults, "algo": "fedavg", "results-dir": "r"}
+    old = {k: v for k, v in base.items() if k not in ("deterministic", "max-in-flight")}
+    _write_run(tmp_path / "a-s0", {**old, "seed": 0, "run-name": "a-s0"}, [0.5])
+    _write_run(tmp_path / "a-s1", {**base, "seed": 1, "run-name": "a-s1"}, [0.6])
+    _write_run(tmp_path / "b-s0", {**base, "max-in-flight": 3, "seed": 0, "run-name": "b-s0"}, [0.7])
+    groups = seed_groups([read_run(tmp_path / n) for n in ("a-s0", "a-s1", "b-s0")])
+    assert [(g.label, [r.config["seed"] for r in g.runs]) for g in groups] == [("a", [0, 1]), ("b", [0])]
