@@ -19,6 +19,7 @@ and each side's memory at the largest size over its memory at the smallest.
 
     python bench/scale.py                                  # cnn 10 100 500 1000, resnet18 10 50 100
     python bench/scale.py --cnn 10 100 --resnet18 --rounds 3
+    python bench/scale.py --profile --cnn 10 1000 --resnet18 --rounds 2   # what grows, by package
 """
 from __future__ import annotations
 
@@ -122,9 +123,64 @@ def run_flower(model: str, n: int, rounds: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _package(filename: str) -> str:
+    """Who allocated: a top-level package of this library, a site-package, or Python itself."""
+    for ours in ("strategies", "split_layer", "tasks", "flower_apps", "bench"):
+        if filename.startswith(str(ROOT / ours)):
+            return ours + " (ours)"
+    if "site-packages/" in filename:
+        top = filename.split("site-packages/", 1)[1].split("/", 1)[0]
+        return {"google": "protobuf", "_pytest": "pytest"}.get(top, top.removesuffix(".py"))
+    return "python"
+
+
+def profile(model: str, n: int, rounds: int) -> dict:
+    """The library side under ``tracemalloc``: at the moment the Python heap was largest, how
+    much of it each package allocated (its line of code, the innermost frame), and the RSS then."""
+    import threading
+    import tracemalloc
+    from collections import defaultdict
+
+    tracemalloc.start(int(os.environ.get("BENCH_PROFILE_FRAMES", "1")))
+    best: dict = {"traced": 0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            cur, _ = tracemalloc.get_traced_memory()
+            if cur > 1.03 * best["traced"]:
+                best.update(traced=cur, rss=_rss_mb(), snap=tracemalloc.take_snapshot())
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    run_library(model, n, rounds)
+    stop.set()
+    th.join()
+    by: dict[str, float] = defaultdict(float)
+    for st in best["snap"].statistics("filename"):
+        by[_package(st.traceback[0].filename)] += st.size / 2**20
+    top = [(str(st.traceback[0]), st.size / 2**20, st.count) for st in best["snap"].statistics("lineno")[:12]]
+    # who called the largest allocation site (BENCH_PROFILE_FRAMES innermost frames, default 1:
+    # more frames make a 1,000-client run far slower under tracemalloc)
+    site = best["snap"].statistics("traceback")[0]
+    return {"traced_mb": best["traced"] / 2**20, "rss_mb": best["rss"], "by_package": dict(by), "top_lines": top,
+            "top_site": {"mb": site.size / 2**20, "blocks": site.count, "frames": [str(f) for f in site.traceback]}}
+
+
 def one(side: str, model: str, n: int, rounds: int) -> None:
     """One measurement in this (fresh) process: prints a JSON line."""
     t0 = time.time()
+    if side == "profile":
+        print("RESULT " + json.dumps({"side": side, "model": model, "clients": n,
+                                      **profile(model, n, rounds)}), flush=True)
+        return
     secs = (run_library if side == "library" else run_flower)(model, n, rounds)
     print("RESULT " + json.dumps({"side": side, "model": model, "clients": n, "round_seconds": secs,
                                   "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -148,11 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resnet18", type=int, nargs="*", default=[10, 50, 100])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="", help="also write every measurement to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead: the library side under tracemalloc at each size, the Python heap by "
+                         "package at its largest and the growth from the smallest size to the largest "
+                         "(BENCH_PROFILE_FRAMES=N: N frames per allocation, default 1)")
     ap.add_argument("--one", nargs=4, metavar=("SIDE", "MODEL", "N", "ROUNDS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         one(args.one[0], args.one[1], int(args.one[2]), int(args.one[3]))
         return 0
+    if args.profile:
+        return print_profile(args)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
         for model, sizes in (("cnn", args.cnn), ("resnet18", args.resnet18)):
@@ -174,6 +236,31 @@ def main(argv: list[str] | None = None) -> int:
                   f"{g1['flower']['peak_mb'] / g0['flower']['peak_mb']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps([{"model": m, "clients": n, **g} for m, n, g in rows], indent=1))
+    return 0
+
+
+def print_profile(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as home:
+        for model, sizes in (("cnn", args.cnn), ("resnet18", args.resnet18)):
+            got = [measure("profile", model, n, args.rounds, home) for n in sizes]
+            for g in got:
+                print(f"{model} {g['clients']:5d} clients: RSS {g['rss_mb']:7.0f} MB, Python heap "
+                      f"{g['traced_mb']:6.1f} MB (at its largest)", flush=True)
+                for where, mb, count in g["top_lines"][:6]:
+                    print(f"    {mb:7.2f} MB {count:8d} blocks  {where}")
+                t = g["top_site"]
+                print(f"    the largest site, {t['mb']:.2f} MB in {t['blocks']} blocks; its frames (innermost last):")
+                for f in t["frames"]:
+                    print(f"      {f}")
+            if len(got) >= 2:
+                a, b = got[0], got[-1]
+                print(f"{model}: growth from {a['clients']} to {b['clients']} clients: RSS "
+                      f"{b['rss_mb'] - a['rss_mb']:+.0f} MB, Python heap {b['traced_mb'] - a['traced_mb']:+.1f} MB")
+                keys = sorted(set(a["by_package"]) | set(b["by_package"]),
+                              key=lambda k: -(b["by_package"].get(k, 0) - a["by_package"].get(k, 0)))
+                for k in keys[:10]:
+                    print(f"    {k:24s} {a['by_package'].get(k, 0):7.1f} MB -> {b['by_package'].get(k, 0):7.1f} MB "
+                          f"({b['by_package'].get(k, 0) - a['by_package'].get(k, 0):+.1f})")
     return 0
 
 
