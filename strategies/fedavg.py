@@ -35,7 +35,6 @@ from tasks.data import ArrayDataset
 from tasks.env import Env
 from tasks.training import (
     derive_seed,
-    load_numpy_state,
     make_sgd,
     num_local_steps,
     train_supervised,
@@ -62,8 +61,7 @@ def client_train(msg: Message, context: Context,
     ``(logits, y) -> loss`` that replaces the cross-entropy."""
     env = client_env(msg, context, label_mode="all")
     rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
-    model = env.build_model()
-    load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
+    model = env.model_from(record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
     data = env.labeled()
     task = env.task
     metrics = train_supervised(

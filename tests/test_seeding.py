@@ -164,3 +164,37 @@ def test_same_seed_same_weights_on_cuda(_restore_determinism):
                          optimizer=make_sgd(net.parameters(), TaskConfig(lr=0.05)), device=dev, seed=3, view="strong")
         out.append(_weights(net))
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("name", ["cnn", "cnn-afo", "mlp", "alexnet", "resnet18", "resnet9", "cnn13", "vgg11-small"])
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_model_from_a_full_state_equals_build_and_load(name, norm):
+    """``Env.model_from`` (built on the meta device, not initialised, then loaded) gives the
+    module ``build_model`` + ``load_numpy_state`` gives: same keys, values and outputs, and the
+    caller's RNG is untouched; a partial state falls back to the seeded build."""
+    from tasks.config import TaskConfig
+    from tasks.env import Env
+    from tasks.models import build_model
+    from tasks.training import load_numpy_state
+
+    task = TaskConfig(model=name, norm=norm)
+    fn = lambda: build_model(name, in_channels=1, num_classes=10, image_size=28, norm=norm)  # noqa: E731
+    env = Env(task, torch.device("cpu"), None, 10, fn, library_model=True)
+    torch.manual_seed(123)
+    donor = fn()
+    state = {k: (v.detach().numpy() + (0.5 if v.dtype.is_floating_point else 0)).astype(v.detach().numpy().dtype)
+             for k, v in donor.state_dict().items()}
+    ref = env.build_model()
+    load_numpy_state(ref, state)
+    before = torch.random.get_rng_state()
+    got = env.model_from(state)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert list(got.state_dict()) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+    x = torch.randn(4, 1, 28, 28)
+    got.eval(), ref.eval()
+    assert torch.equal(got(x), ref(x))
+    partial = {k: v for i, (k, v) in enumerate(state.items()) if i > 0}
+    with pytest.raises(ValueError, match="mismatch"):
+        env.model_from(partial)   # (strict, as build + load: a missing key is an error, not garbage)
