@@ -273,9 +273,11 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
 
 
 @torch.no_grad()
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, data: ArrayDataset, *, aug: Augmenter, device: torch.device,
              num_classes: int, batch_size: int = 500) -> dict[str, float | list[float]]:
-    """Accuracy, mean loss and per-class accuracy of ``model`` on ``data`` (eval mode)."""
+    """Accuracy, mean loss and per-class accuracy of ``model`` on ``data`` (eval mode, no
+    autograd graph: a large model's activations are not kept)."""
     was_training = model.training
     model.eval()
     correct = torch.zeros(num_classes, dtype=torch.long)
