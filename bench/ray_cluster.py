@@ -146,21 +146,24 @@ class LocalRayCluster(Managed):
 
 
 class ActorWatch:
-    """Polls the cluster's ClientApp actors while a run goes on: which node ran which actor."""
+    """Polls the cluster's ClientApp actors while a run goes on: which node ran which actor. An
+    actor already there when the watch starts (a previous run's, still exiting) is not counted."""
 
     def __init__(self, cluster: LocalRayCluster, every: float = 0.25):
         self.cluster, self.every = cluster, every
         self.seen: dict[int, set[int]] = {i: set() for i in range(cluster.nodes)}
+        self._before: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             for i, pids in self.cluster.actors().items():
-                self.seen[i] |= pids
+                self.seen[i] |= pids - self._before
             self._stop.wait(self.every)
 
     def __enter__(self) -> "ActorWatch":
+        self._before = set().union(*self.cluster.actors().values())
         self._thread.start()
         return self
 

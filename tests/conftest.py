@@ -71,6 +71,10 @@ def flower_group(item: pytest.Item) -> str | None:
     names = set(getattr(item, "fixturenames", ()))
     if names & DEPLOY_FIXTURES:
         return "deploy"
+    if item.get_closest_marker("ray_cluster") is not None:
+        # its own Ray cluster: free ports, a private RAY_TMPDIR (where Ray's drivers look for a
+        # cluster to join) and an explicit RAY_ADDRESS, so it runs beside the "ray" group
+        return "ray-cluster"
     if "sim_env" in names or item.get_closest_marker("e2e") is not None:
         return "ray"
     return None

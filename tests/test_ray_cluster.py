@@ -10,7 +10,7 @@ import torch
 from bench.ray_cluster import LocalRayCluster, run_simulate
 from tests.flower_harness import alive, max_diff
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.ray_cluster,
               pytest.mark.skipif(shutil.which("ray") is None, reason="Ray's CLI is not installed")]
 
 
@@ -41,7 +41,7 @@ def test_two_node_cluster_runs_full_model_and_split_algorithms(tmp_path):
     for algo, res in runs.items():
         assert res["rc"] == 0, res.get("error")
         assert res["rounds"] == rounds and res["accuracy"][-1] > 0.5, res
-        # one actor per CPU: one on the head, one on the second node, both used
-        assert res["actors_per_node"] == {0: 1, 1: 1}, res
+        # one actor per CPU of the cluster: the head's and the second node's both ran ClientApps
+        assert sorted(res["actors_per_node"]) == [0, 1] and min(res["actors_per_node"].values()) >= 1, res
         got = torch.load(f"{res['folder']}/model.pt", map_location="cpu")
         assert max_diff(got, _inprocess(algo, rounds, supernodes, tmp_path / "ref")) == 0.0, algo
