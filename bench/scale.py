@@ -14,7 +14,8 @@ sides) and a server-side evaluation on the test split after every round:
 
 Each (side, model, clients) runs in a fresh process, which reports its peak resident memory
 (``ru_maxrss``: the ServerApp's process; the ClientApps run in Ray's worker processes) and the
-seconds of every round; the table shows the mean of rounds 2..R and the ratios library / Flower,
+seconds of every round, from one server evaluation to the next on both sides (the library's
+``wall-seconds`` differences: its metrics row and checkpoint count); the table shows the mean of rounds 2..R and the ratios library / Flower,
 and each side's memory at the largest size over its memory at the smallest.
 
     python bench/scale.py                                  # cnn 10 100 500 1000, resnet18 10 50 100
@@ -53,7 +54,10 @@ def run_library(model: str, n: int, rounds: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = run_simulation_inprocess(_task(model, n, rounds, tmp), n)
         rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
-        return [float(r["round-seconds"]) for r in rows]
+        # a round's whole wall time, as on the Flower side (from one evaluation to the next): the
+        # round, its evaluation, and the previous round's metrics row and checkpoint
+        walls = [float(r["wall-seconds"]) for r in rows]
+        return [walls[0], *(b - a for a, b in zip(walls, walls[1:]))]
 
 
 def _shard(task, n: int, pid: int):

@@ -41,8 +41,9 @@ class RoundPolicy:
     wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
     max_in_flight: int = knob(0, lo=0, help="most instructions of a round out at once, refilled as replies come "
                                             "back and each reply folded into the aggregate as it arrives (0 = auto: "
-                                            "twice this machine's CPUs in the simulation engine, where the ClientApps "
-                                            "share them; every sampled node at once in a deployment)")
+                                            "in the simulation engine, where the ClientApps share this machine's CPUs, "
+                                            "twice its CPUs or a quarter second of replies, whichever is more; every "
+                                            "sampled node at once in a deployment)")
     split_transport: str = knob("message", choices=TRANSPORTS,
                                 help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
                                      "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "

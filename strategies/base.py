@@ -342,10 +342,15 @@ class BaseStrategy(Strategy):
         with self.clock_stage():
             return self._exchange(grid, messages, fold, timeout, poll)
 
-    #: seconds of replies kept in flight by the auto window in a simulation: Flower's simulation
-    #: engine takes new instructions in every 0.1 s, so the window holds what the ClientApps
-    #: finish in a few of those periods (more for fast ClientApps, as few as 2 x CPUs for slow)
-    IN_FLIGHT_SECONDS = 0.5
+    #: seconds of replies kept in flight by the auto window in a simulation. Flower's simulation
+    #: engine takes new instructions in by scanning its LinkState for every node, then waiting
+    #: 0.1 s; each scan walks every stored instruction once per node (``get_message_ins``), under
+    #: the ServerApp process's GIL. So the window must cover one such period (else the ClientApps
+    #: wait for work) and no more: each instruction more out makes every scan longer. Measured with
+    #: ``bench/scale.py`` (500 and 1,000 ``cnn`` clients, 2 CPUs): 0.1 s starves the workers, 0.2-0.3
+    #: s is fastest, 0.5 s is 5-15% slower, and every instruction at once (Flower's strategies)
+    #: 50-70% slower.
+    IN_FLIGHT_SECONDS = 0.25
 
     def in_flight(self, grid: Grid, num_messages: int, replies_per_second: float = 0.0) -> int:
         """How many of a round's ``num_messages`` instructions are out at once (run-config
@@ -353,14 +358,14 @@ class BaseStrategy(Strategy):
         engine, where the ClientApps share this machine's CPUs: twice its CPU count, or the
         replies of :attr:`IN_FLIGHT_SECONDS` at the rate they came so far in this exchange if
         that is more, so that the workers never wait for the next instruction while the server
-        holds that many instructions and replies, not one per sampled node. Auto in a
-        deployment: every node runs on its own machine, so all are sent at once (the SuperLink
-        holds them; each reply is still folded in as it arrives)."""
+        holds that many instructions and replies, not one per sampled node (nor ``min-nodes``:
+        the window only bounds what is out at once, the round still waits for every reply).
+        Auto in a deployment: every node runs on its own machine, so all are sent at once (the
+        SuperLink holds them; each reply is still folded in as it arrives)."""
         if self.policy.max_in_flight > 0:
             return self.policy.max_in_flight
         if type(grid).__name__ in ("InMemoryGrid", "LocalGrid"):
-            return max(self.policy.min_nodes, 2 * (os.cpu_count() or 1),
-                       math.ceil(replies_per_second * self.IN_FLIGHT_SECONDS))
+            return max(2 * (os.cpu_count() or 1), math.ceil(replies_per_second * self.IN_FLIGHT_SECONDS))
         return max(num_messages, 1)
 
     def clock_stage(self):
