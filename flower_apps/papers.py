@@ -435,6 +435,7 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
     ``dataset``: one of the paper's :attr:`Paper.datasets`, whose budget goes under ``sets``."""
     paper = PAPERS[name]
     row_sets: dict[str, dict[str, Any]] = {}
+    user_sets = dict(sets or {})   # the report names them: they override the paper's settings text
     if dataset:
         sets = {**paper.datasets[dataset].overrides, **(sets or {})}
         row_sets = paper.datasets[dataset].rows
@@ -461,13 +462,16 @@ def run_paper(name: str, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: s
             log(f"[{name}] {folder.name}: {'resuming after round ' + str(done) if done else 'running'}")
             run_one(cfg, explicit, paper.supernodes, engine)
             log(f"[{name}] {folder.name}: {time.time() - t0:.0f} s")
-    write_report(paper, out, [r.name for r in chosen], seeds, target, paired, dataset)
+    write_report(paper, out, [r.name for r in chosen], seeds, target, paired, dataset, user_sets)
     log(f"[{name}] report: {out / 'report.md'} ({time.time() - t_all:.0f} s)")
     return out
 
 
 def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float | None = None,
-                 paired: str = "", dataset: str = "") -> str:
+                 paired: str = "", dataset: str = "", sets: dict[str, Any] | None = None) -> str:
+    """``out``'s report.md (and its figures) over ``rows`` x ``seeds``. ``sets``: the keys the
+    sweep set on every row (``--set``), named under the title, since the settings text below is
+    the paper's budget."""
     from flower_apps.report import (onset_table, paired_table, plot_cost, plot_seed_groups, read_run, seed_groups,
                                     seed_table, target_table)
 
@@ -484,7 +488,9 @@ def write_report(paper: Paper, out: Path, rows: list[str], seeds, target: float 
     on = (f"\n\nOn {dataset} (`--dataset {dataset}`: {paper.datasets[dataset].overrides}): "
           f"{paper.datasets[dataset].settings}." if dataset else "")
     title = f"{paper.title}, on {dataset or 'the embedded MNIST-5k'}"   # (the data the table was run on)
-    text = (f"# {title}\n\n{table}\nSettings: {paper.settings}.{on}\n\nPaper's ordering: {paper.expected}.\n"
+    over = (f"Set on every row (`--set {' '.join(f'{k}={v!r}' for k, v in sets.items())}`): where the settings "
+            f"below say otherwise, these hold.\n\n" if sets else "")
+    text = (f"# {title}\n\n{over}{table}\nSettings: {paper.settings}.{on}\n\nPaper's ordering: {paper.expected}.\n"
             + (f"\n{notes}\n" if notes else ""))
     (out / "report.md").write_text(text)
     plot_seed_groups(groups, out / "report.png", title=title)

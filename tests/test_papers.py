@@ -6,7 +6,7 @@ import json
 import pytest
 
 from flower_apps.config import parse_run_config, preflight
-from flower_apps.papers import PAPERS, main, row_config, run_paper
+from flower_apps.papers import PAPERS, main, row_config, run_paper, write_report
 from strategies.registry import algorithm_names
 
 
@@ -59,6 +59,12 @@ def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
     logs.clear()
     run_paper("fedshvr", seeds=[0, 1], out=tmp_path, rows=["fed-sl"], rounds=2, log=logs.append)
     assert sum("done (2 rounds), kept" in m for m in logs) == 2  # nothing re-run
+    assert "--set" not in (out / "report.md").read_text()
+    # keys set on every row are named under the title (the settings text is the paper's budget)
+    text = write_report(PAPERS["fedshvr"], out, ["fed-sl"], [0, 1], sets={"server-labels": 250, "lr": 0.02})
+    assert text.splitlines()[2] == ("Set on every row (`--set server-labels=250 lr=0.02`): where the settings "
+                                    "below say otherwise, these hold.")
+    assert (out / "report.md").read_text() == text
 
 
 def test_cli_errors(capsys):
