@@ -15,8 +15,9 @@ sides) and a server-side evaluation on the test split after every round:
 Each (side, model, clients) runs in a fresh process, which reports its peak resident memory
 (``ru_maxrss``: the ServerApp's process; the ClientApps run in Ray's worker processes) and the
 seconds of every round, from one server evaluation to the next on both sides (the library's
-``wall-seconds`` differences: its metrics row and checkpoint count); the table shows the mean of rounds 2..R and the ratios library / Flower,
-and each side's memory at the largest size over its memory at the smallest.
+``wall-seconds`` differences: its metrics row and checkpoint count); the table shows the mean of
+rounds 2..R and the ratios library / Flower, and each side's memory at the largest size over its
+memory at the smallest.
 
     python bench/scale.py                                  # cnn 10 100 500 1000, resnet18 10 50 100
     python bench/scale.py --cnn 10 100 --resnet18 --rounds 3
