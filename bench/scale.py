@@ -5,7 +5,8 @@ Both sides run in Flower's simulation engine (``flwr.simulation.run_simulation``
 ClientApp, ``OMP_NUM_THREADS=1``), every node sampled each round, the same model, the same IID
 shards of the embedded MNIST-5k training split (4,000 images), one local epoch of SGD (batch 32,
 lr 0.05, momentum 0.9, the library's weak augmentation: the same local training call on both
-sides) and a server-side evaluation on the test split after every round:
+sides) and a server-side evaluation on the test split after every round (in batches of the
+library's ``eval_batch_size`` on both sides):
 
 * ``library``: this library's ``fedavg`` (``flower_apps.simulate.run_simulation_inprocess``:
   the library's ServerApp with its results folder, checkpoints and metrics);
@@ -79,7 +80,7 @@ def run_flower(model: str, n: int, rounds: int) -> list[float]:
 
     from flower_apps.config import parse_run_config
     from tasks.env import library_env
-    from tasks.training import derive_seed, make_sgd, num_local_steps, train_supervised
+    from tasks.training import derive_seed, eval_batch_size, make_sgd, num_local_steps, train_supervised
 
     task = parse_run_config(_task(model, n, rounds, tempfile.gettempdir())).task
     client = ClientApp()
@@ -108,12 +109,13 @@ def run_flower(model: str, n: int, rounds: int) -> list[float]:
         net = env.build_model()
         xt = env.augmenter.test(torch.from_numpy(env.test.x))
         yt = torch.from_numpy(env.test.y).long()
+        bs = eval_batch_size(env.device)  # the library's evaluation batch: the same work on both sides
 
         def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
             net.load_state_dict(arrays.to_torch_state_dict())
             net.eval()
             with torch.no_grad():
-                acc = float(torch.cat([net(xt[i:i + 500]).argmax(1) for i in range(0, len(yt), 500)]).eq(yt)
+                acc = float(torch.cat([net(xt[i:i + bs]).argmax(1) for i in range(0, len(yt), bs)]).eq(yt)
                             .float().mean())
             stamps.append(time.time())
             return MetricRecord({"accuracy": acc})

@@ -315,3 +315,30 @@ def test_cuda_split():
     with torch.no_grad():
         bottom, top = split_model(m, "layer1")
         assert torch.equal(top(bottom(x)), m(x))
+
+
+def test_evaluate_does_not_depend_on_its_batch():
+    """``evaluate`` batches by device (``eval_batch_size``: 64 on the CPU, 500 on a GPU); in eval
+    mode the numbers are the same at any batch (a bad batch is an error naming it)."""
+    import numpy as np
+
+    from tasks.augment import Augmenter
+    from tasks.data import ArrayDataset
+    from tasks.training import eval_batch_size, evaluate
+
+    assert eval_batch_size(torch.device("cpu")) == 64
+    assert eval_batch_size(torch.device("cuda")) == 500
+    rng = np.random.default_rng(0)
+    data = ArrayDataset(rng.integers(0, 256, (203, 1, 28, 28), dtype=np.uint8), rng.integers(0, 10, 203))
+    torch.manual_seed(0)
+    m = _build("cnn", 1, 28)
+    aug = Augmenter(1, 28, flip=False)
+    kw = dict(aug=aug, device=torch.device("cpu"), num_classes=10)
+    base = evaluate(m, data, batch_size=500, **kw)
+    for bs in (None, 1, 64, 203):
+        got = evaluate(m, data, batch_size=bs, **kw)
+        assert got["accuracy"] == base["accuracy"] and got["per-class-accuracy"] == base["per-class-accuracy"]
+        assert got["loss"] == pytest.approx(base["loss"], rel=1e-5)
+    assert m.training  # the mode is restored
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        evaluate(m, data, batch_size=0, **kw)
