@@ -3,6 +3,7 @@ each reply folded into running sums as it arrives; the same weights as stacking 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -242,3 +243,48 @@ def test_own_rounds_let_each_reply_go(algo):
     s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
     assert rows[0]["participants"] == NODES and not rows[0].get("skipped"), rows
     assert len(grid.refs) == NODES and grid.most_alive <= 1, (grid.most_alive, len(grid.refs))
+
+
+class _Slow(LocalGrid):
+    """A LocalGrid whose replies become visible ``delay`` seconds after their push; it records
+    when each pull happened."""
+
+    def __init__(self, *a, delay: float, **kw):
+        super().__init__(*a, **kw)
+        self.delay, self.pushed_at, self.pulls = delay, {}, []
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        now = time.time()
+        self.pushed_at.update({i: now for i in ids})
+        return ids
+
+    def pull_messages(self, message_ids):
+        now = time.time()
+        self.pulls.append(now)
+        ready = [i for i in message_ids if now - self.pushed_at.get(i, now) >= self.delay]
+        return super().pull_messages(ready)
+
+
+def test_an_exchange_pulls_less_often_the_longer_it_waits():
+    """A reply that takes 1.2 s is pulled for about 20 times (backoff up to every
+    ``POLL_MAX_SECONDS``; a fixed 10 ms poll pulls about 120 times), and noticed at most
+    ``POLL_MAX_SECONDS`` after it came; a fast reply is still noticed within a few ms."""
+    from flwr.app import Message
+
+    s, _ = _build("fedavg", 0)
+    assert s.POLL_MAX_SECONDS == 0.1 and s.POLL_BACKOFF == 0.25
+
+    def echo(msg, ctx):
+        return Message(RecordDict({METRICS_KEY: MetricRecord({"x": 1.0})}), reply_to=msg)
+
+    for delay, most_pulls in ((1.2, 30), (0.02, 10)):
+        grid = _Slow(2, echo, delay=delay)
+        got = []
+        t0 = time.time()
+        s.exchange_fold(grid, [Message(RecordDict(), dst_node_id=grid.get_node_ids()[0], message_type="train")],
+                        got.append, timeout=30.0)
+        took = time.time() - t0
+        assert len(got) == 1 and s.dropped == []
+        assert len(grid.pulls) <= most_pulls, (delay, len(grid.pulls))
+        assert delay <= took <= delay + min(0.25 * delay, s.POLL_MAX_SECONDS) + 0.15, (delay, took)
