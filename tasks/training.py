@@ -276,9 +276,9 @@ def eval_batch_size(device: torch.device) -> int:
     """The batch of an evaluation pass (:func:`evaluate`) on ``device``: 500 on a GPU, 64 on the CPU.
 
     On the CPU a large batch's activations leave the cache: one pass over 1,000 images of 1x28x28
-    at one thread takes 11.3 s at 500 and 8.0 s at 64 for ``resnet18``, 7.7 / 5.5 s for
-    ``resnet9``, 14.4 / 11.5 s for ``cnn13``, 0.34 / 0.23 s for ``cnn`` (``bench/eval_batch.py``,
-    docs/benchmarks.md); 64 was the fastest or within 7% of it for each of them."""
+    at one thread takes 11.5 s at 500 and 8.0 s at 64 for ``resnet18``, 7.6 / 5.9 s for
+    ``resnet9``, 14.3 / 11.6 s for ``cnn13``; 0.24-0.35 s at any batch for ``cnn`` and
+    ``vgg11-small`` (``bench/eval_batch.py``, docs/benchmarks.md)."""
     return 500 if device.type == "cuda" else 64
 
 
