@@ -196,7 +196,8 @@ def one(side: str, model: str, n: int, rounds: int) -> None:
 
 def measure(side: str, model: str, n: int, rounds: int, home: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "FLWR_HOME": home,
-           "RAY_TMPDIR": home, "PYTHONPATH": str(ROOT)}
+           "RAY_TMPDIR": home,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     p = subprocess.run([sys.executable, __file__, "--one", side, model, str(n), str(rounds)], env=env,
                        capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]

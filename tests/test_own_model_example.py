@@ -62,7 +62,8 @@ def test_example_imports_no_flower_apps():
     code = ("import sys, own_model.server_app, own_model.client_app; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'flower_apps'); "
             "assert not bad, bad; print('ok')")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(EXAMPLE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
