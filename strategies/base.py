@@ -738,10 +738,14 @@ def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_roun
     """The one line per round every app using a strategy logs (Flower's log, ``flwr run --stream``)."""
     eta = elapsed / max(done_rounds, 1) * (total - rnd)
     acc = metrics.get("accuracy", float("nan"))
-    loss = metrics.get("loss", float("nan"))
+    # the test loss where the round measured one; personalised rows (each client's own model on
+    # its own split) report none, and "loss nan" there read as a diverged run: the training loss
+    # is named as such instead, or nothing
+    loss_key = next((k for k in ("loss", "train-loss") if k in metrics), None)
+    loss = f" | {loss_key} {metrics[loss_key]:.4f}" if loss_key else ""
     extra = f" | dropped {metrics['dropped']}" if metrics.get("dropped") else ""
     if metrics.get("skipped"):
         extra += " | SKIPPED"
     sim = f" | sim {metrics['sim-seconds-total']:.1f}s" if "sim-seconds-total" in metrics else ""
-    return (f"round {rnd}/{total} | acc {acc:.4f} | loss {loss:.4f} | "
+    return (f"round {rnd}/{total} | acc {acc:.4f}{loss} | "
             f"{metrics.get('round-seconds', 0.0):.1f}s{sim} | ETA {eta:.0f}s{extra}")

@@ -247,7 +247,16 @@ def test_an_app_that_embeds_a_strategy_logs_one_progress_line_per_round(caplog):
         s.start(LocalGrid(2, client.handle), num_rounds=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
     assert [line.split(" | ")[0] for line in lines] == ["round 1/2", "round 2/2"], lines
-    assert all(" | acc 0." in line for line in lines)
+    assert all(" | acc 0." in line and " | loss " in line for line in lines)
+
+
+def test_the_progress_line_names_the_loss_it_has_and_never_prints_a_missing_one_as_nan():
+    from strategies.base import progress_line
+    assert " | loss 0.5000 | " in progress_line(1, 2, {"accuracy": 0.9, "loss": 0.5}, 1.0, 1)
+    line = progress_line(1, 2, {"accuracy": 0.4, "train-loss": 1.25}, 1.0, 1)   # a personalised row
+    assert " | train-loss 1.2500 | " in line and "nan" not in line, line
+    line = progress_line(1, 2, {"accuracy": 0.4}, 1.0, 1)
+    assert "loss" not in line and "nan" not in line, line
 
 
 @pytest.mark.parametrize("form", ["uint8", "float"])
