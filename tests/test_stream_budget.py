@@ -135,15 +135,15 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "partition.json"):
         assert (folder / name).is_file(), name
     # the attacker did attack: it made its calls and opened twice the cap's worth of connections
-    # again and again, and the server refused it, hundreds of times over the run. How many times
-    # in one round depends on where the round falls in the attacker's 30 s bans, whose cut
-    # connections are not refusals: 1221, 422 and 3 were seen on a loaded 2-core machine, and on
-    # a 16-core H200 machine one round fell inside a ban and logged no refusals (the two logged:
-    # 497 and 5, 2026-11-26), so the test asks for refusals in at least one of the 3 rounds,
-    # hundreds in all, not in every round.
+    # again and again, and the server refused it more often than the cap over the run. How many
+    # times in one round depends on where the round falls in the attacker's 30 s bans, whose cut
+    # connections are not refusals: 1221, 422 and 3 were seen on a loaded 2-core machine; on a
+    # 16-core H200 machine one round fell inside a ban and logged none (497 and 5 in the other
+    # two, 2026-11-26; then 326 and 2 at a cap of 216). So: refusals in at least one of the 3
+    # rounds, more in all than the cap, not in every round.
     assert report["calls"] > 50 and report["reconnects"] > 4 * cap, report
     refused = [n for n, _ in result["refused"]]
-    assert 1 <= len(refused) <= 3 and sum(refused) > 300, result["refused"]
+    assert 1 <= len(refused) <= 3 and sum(refused) > cap, (cap, result["refused"])
 
 
 # --------------------------------------------------------------------------- sessions sized from the nodes
