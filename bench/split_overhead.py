@@ -34,6 +34,7 @@ It also reports the largest weight difference between each Flower run and the in
     python bench/split_overhead.py                       # simulation + in-process
     python bench/split_overhead.py --deployment          # + local SuperLink/SuperNodes
     python bench/split_overhead.py --iters 5 --rounds 4 --nodes 3
+    python bench/split_overhead.py --poll-variants 2     # how the round loop waits, side by side
 """
 from __future__ import annotations
 
@@ -203,6 +204,46 @@ def semisfl_config(rounds: int) -> dict:
             "num-rounds": rounds, "seed": 0, "min-nodes": 2}
 
 
+#: the ways an exchange can wait for replies (``BaseStrategy.poll_interval``): every 10 ms
+#: throughout (before the seventh session), backing off from the first pull (seventh session),
+#: and every 10 ms for the first 0.4 s after a reply, then backing off (now)
+POLL_VARIANTS = {"fixed 10 ms": float("inf"), "backoff from the push": 0.0, "10 ms for 0.1 s, then backoff": 0.1,
+                 "10 ms for 0.4 s, then backoff": 0.4}
+
+
+def poll_variants(args, out: Path, measure, results: list) -> int:
+    """The message transport's split rounds in simulation under each :data:`POLL_VARIANTS`,
+    interleaved ``args.poll_variants`` times (the ServerApp runs in this process, so the class
+    attribute applies to it); medians per variant, and each over the fixed poll's."""
+    from strategies.base import BaseStrategy
+
+    local_folder, t = run_local(config(args), args.nodes, out)
+    local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)
+    saved = BaseStrategy.POLL_FAST_SECONDS
+    by = {name: [] for name in POLL_VARIANTS}
+    try:
+        for rep in range(args.poll_variants):
+            for i, (name, fast) in enumerate(POLL_VARIANTS.items()):
+                BaseStrategy.POLL_FAST_SECONDS = fast
+                folder, t = run_sim(config(args), args.nodes, out / f"poll-{rep}-{i}", f"poll-{rep}-{i}")
+                by[name].append(measure(f"simulation, message, {name}, #{rep + 1}", folder, t, local_folder,
+                                        args.iters))
+    finally:
+        BaseStrategy.POLL_FAST_SECONDS = saved
+    print(f"\nsplit rounds over Flower messages in simulation (scala, {args.nodes} nodes, model={args.model}, "
+          f"B={args.batch}, I={args.iters}, {args.rounds} rounds), by how the exchange waits for replies; "
+          f"medians over rounds 2..R, then over {args.poll_variants} interleaved runs:")
+    print(f"{'waiting':32s} {'round s':>8s} {'s/inner exch':>12s} {'inner vs fixed':>14s} {'|dw| local':>10s}")
+    base = statistics.median(r["inner_s"] for r in by["fixed 10 ms"])
+    print(f"{'(in one process)':32s} {local['round_s']:8.2f} {local['inner_s']:12.4f}")
+    for name, rs in by.items():
+        inner = statistics.median(r["inner_s"] for r in rs)
+        print(f"{name:32s} {statistics.median(r['round_s'] for r in rs):8.2f} {inner:12.4f} {inner / base:14.2f} "
+              f"{max(r['max_weight_diff_vs_local'] for r in rs):10.2e}")
+    (out / "split_overhead.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=3)
@@ -220,6 +261,9 @@ def main(argv=None) -> int:
                          "simulation and in the deployment, end to end (0 = skip)")
     ap.add_argument("--poll", type=float, default=0.05, help="FLWR_SUPEREXEC_TASK_POLL_INTERVAL (deployment)")
     ap.add_argument("--out", default="", help="work folder (default: a temp dir)")
+    ap.add_argument("--poll-variants", type=int, default=0, metavar="REPEATS",
+                    help="instead of the above: the message transport in simulation under each way of "
+                         "waiting for replies (BaseStrategy.POLL_FAST_SECONDS), interleaved REPEATS times")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="split-bench-"))
     os.environ.setdefault("FLWR_HOME", str(out / "flwr-home"))
@@ -235,6 +279,8 @@ def main(argv=None) -> int:
         results.append(r)
         return r
 
+    if args.poll_variants:
+        return poll_variants(args, out, measure, results)
     # ---- simulation vs one process
     local_folder, t = run_local(config(args), args.nodes, out)
     local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)

@@ -352,15 +352,25 @@ class BaseStrategy(Strategy):
     #: 50-70% slower.
     IN_FLIGHT_SECONDS = 0.25
 
-    #: how an exchange waits for replies: it pulls every ``poll`` seconds (0.01) just after a
-    #: reply or a push, then less often the longer nothing came (``POLL_BACKOFF`` x the time since
-    #: the last reply), at most every ``POLL_MAX_SECONDS`` (Flower's own in-memory grid pulls every
-    #: 0.1 s). A reply is noticed at most 25% later than it came (and at most 0.1 s), and a round
-    #: of large models no longer wakes this thread 100 times a second for seconds on end: each
-    #: wake-up takes the GIL from the threads that hand messages to the ClientApps (measured with
-    #: ``py-spy`` on ``bench/scale.py``'s library side, ResNet-18 at 10 clients).
+    #: how an exchange waits for replies: it pulls every ``poll`` seconds (0.01) for the first
+    #: ``POLL_FAST_SECONDS`` after a reply or the push, then less often the longer nothing came
+    #: (``POLL_BACKOFF`` x the time since the last reply), at most every ``POLL_MAX_SECONDS``
+    #: (Flower's own in-memory grid pulls every 0.1 s). A reply that comes within 0.4 s (a split
+    #: exchange, a small model's round) is noticed within ``poll``, as with a fixed poll; a later
+    #: one at most 0.1 s late (at most 25%). A round of large models no longer wakes this thread
+    #: 100 times a second for seconds on end: each wake-up takes the GIL from the threads that hand
+    #: messages to the ClientApps (measured with ``py-spy`` on ``bench/scale.py``'s library side,
+    #: ResNet-18 at 10 clients). ``bench/split_overhead.py --poll-variants`` measures the policies
+    #: side by side on split rounds.
+    POLL_FAST_SECONDS = 0.4
     POLL_BACKOFF = 0.25
     POLL_MAX_SECONDS = 0.1
+
+    def poll_interval(self, waited: float, poll: float) -> float:
+        """Seconds to sleep before the next pull, ``waited`` seconds after the last reply."""
+        if waited < self.POLL_FAST_SECONDS:
+            return poll
+        return min(max(poll, self.POLL_BACKOFF * waited), max(poll, self.POLL_MAX_SECONDS))
 
     def in_flight(self, grid: Grid, num_messages: int, replies_per_second: float = 0.0) -> int:
         """How many of a round's ``num_messages`` instructions are out at once (run-config
@@ -425,7 +435,7 @@ class BaseStrategy(Strategy):
             if arrived:
                 last = now
             elif by_id or unsent:
-                time.sleep(min(max(poll, self.POLL_BACKOFF * (now - last)), max(poll, self.POLL_MAX_SECONDS)))
+                time.sleep(self.poll_interval(now - last, poll))
         for node in by_id.values():
             self.drop(node, f"no reply within {timeout:.0f} s")
             if self.clock is not None:

@@ -267,18 +267,23 @@ class _Slow(LocalGrid):
 
 
 def test_an_exchange_pulls_less_often_the_longer_it_waits():
-    """A reply that takes 1.2 s is pulled for about 20 times (backoff up to every
-    ``POLL_MAX_SECONDS``; a fixed 10 ms poll pulls about 120 times), and noticed at most
-    ``POLL_MAX_SECONDS`` after it came; a fast reply is still noticed within a few ms."""
+    """A reply that takes 3 s is pulled about 60 times (every 10 ms for the first
+    ``POLL_FAST_SECONDS``, then every ``POLL_MAX_SECONDS``; a fixed 10 ms poll pulls about 300
+    times) and noticed at most ``POLL_MAX_SECONDS`` after it came. A reply within
+    ``POLL_FAST_SECONDS`` (a split exchange: 0.05-0.2 s in simulation) is noticed within the 10 ms
+    poll, as with a fixed poll: the seventh session's backoff from the first pull noticed a 0.3 s
+    reply up to 25% (75 ms) late."""
     from flwr.app import Message
 
     s, _ = _build("fedavg", 0)
-    assert s.POLL_MAX_SECONDS == 0.1 and s.POLL_BACKOFF == 0.25
+    assert s.POLL_FAST_SECONDS == 0.4 and s.POLL_MAX_SECONDS == 0.1
+    assert s.poll_interval(0.39, 0.01) == 0.01 and s.poll_interval(0.5, 0.01) == 0.1
+    assert s.poll_interval(30.0, 0.01) == 0.1 and s.poll_interval(0.5, 0.2) == 0.2   # never under `poll`
 
     def echo(msg, ctx):
         return Message(RecordDict({METRICS_KEY: MetricRecord({"x": 1.0})}), reply_to=msg)
 
-    for delay, most_pulls in ((1.2, 30), (0.02, 10)):
+    for delay, most_pulls, late in ((3.0, 90, s.POLL_MAX_SECONDS), (0.2, 30, 0.01), (0.3, 40, 0.01), (0.02, 10, 0.01)):
         grid = _Slow(2, echo, delay=delay)
         got = []
         t0 = time.time()
@@ -287,4 +292,8 @@ def test_an_exchange_pulls_less_often_the_longer_it_waits():
         took = time.time() - t0
         assert len(got) == 1 and s.dropped == []
         assert len(grid.pulls) <= most_pulls, (delay, len(grid.pulls))
-        assert delay <= took <= delay + min(0.25 * delay, s.POLL_MAX_SECONDS) + 0.15, (delay, took)
+        # the pull after the reply came is at most `late` after it (plus the scheduler's slack;
+        # the backoff from the first pull noticed the 0.2 s reply 39 ms late)
+        first_after = min(t for t in grid.pulls if t - t0 >= delay)
+        assert first_after - t0 - delay <= late + 0.02, (delay, first_after - t0 - delay)
+        assert delay <= took <= delay + late + 0.15, (delay, took)
