@@ -292,8 +292,9 @@ def test_an_exchange_pulls_less_often_the_longer_it_waits():
         took = time.time() - t0
         assert len(got) == 1 and s.dropped == []
         assert len(grid.pulls) <= most_pulls, (delay, len(grid.pulls))
-        # the pull after the reply came is at most `late` after it (plus the scheduler's slack;
-        # the backoff from the first pull noticed the 0.2 s reply 39 ms late)
+        # the pull after the reply came is at most `late` after it, plus the slack of a loaded
+        # CI machine's scheduler (the policy itself is pinned by the `poll_interval` asserts
+        # above; the backoff from the first pull noticed a 0.2 s reply 3-46 ms late)
         first_after = min(t for t in grid.pulls if t - t0 >= delay)
-        assert first_after - t0 - delay <= late + 0.02, (delay, first_after - t0 - delay)
+        assert first_after - t0 - delay <= late + 0.05, (delay, first_after - t0 - delay)
         assert delay <= took <= delay + late + 0.15, (delay, took)
