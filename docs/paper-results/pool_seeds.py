@@ -1,0 +1,141 @@
+"""Two of issue 29's Fashion-MNIST comparisons at 5 seeds, from what survives of each seed.
+
+Seeds 0-2 of these rows ran on 2026-11-25/26 on a machine that is gone with their run folders; what
+survives is the committed report of those seeds (mean ± std, paired differences, and for SSFL each
+run's final accuracy in its onset table, 3 decimals). Seeds 3-4 ran on 2026-11-26 (ninth session);
+their run folders are committed under ``runs/`` (``config.json``, ``metrics.jsonl``,
+``partition.json``: what ``flower_apps.report`` reads). Both sets ran the same configuration (keys
+added in between at their defaults) on code whose random streams moved slightly in between: a rerun
+of a seed-0-2 run today follows the same course, not the same digits (docs/ssfl.md gives the check).
+
+    python docs/paper-results/pool_seeds.py ssfl      # SSFL's design ablation, 10 rows
+    python docs/paper-results/pool_seeds.py semisfl   # Semi-SFL's full-model baselines at 500 labels
+
+``ssfl``: every run's final accuracy is known, so the 5-seed statistics are computed from the values.
+``semisfl``: seeds 0-2 survive as mean ± sample std (of each row, and of each row's paired difference
+from ``semisfl``), so the 5-seed mean and sample std are pooled from those and the two new values
+(exact up to the 3 printed decimals).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+from flower_apps.report import _mean_std, find_runs
+
+HERE = Path(__file__).parent
+
+SSFL_ROWS = ["supervised-only-gn", "ssfl-gn", "ssfl-bn", "ssfl-gn-s2", "ssfl-selftrain-gn", "ssfl-gn-cutout7",
+             "ssfl-afo", "ssfl-afo-warm", "ssfl-gn-warm", "ssfl-gn-warm-cutout7"]
+#: (row, reference): the claim each pair tests
+SSFL_PAIRS = [(r, "supervised-only-gn") for r in SSFL_ROWS[1:]] + [
+    ("ssfl-gn", "ssfl-bn"),                     # GN > BN
+    ("ssfl-gn", "ssfl-selftrain-gn"),           # CRL >> self-training
+    ("ssfl-gn-s2", "ssfl-gn"),                  # grouping recovers part of the gap
+    ("ssfl-gn-cutout7", "ssfl-gn"),             # (a) does not depend on the Cutout size
+    ("ssfl-gn-warm-cutout7", "ssfl-gn-warm"),   # (b) does, in part
+    ("ssfl-afo-warm", "ssfl-gn-warm"),          # (b) without normalisation
+]
+SEMISFL_ROWS = ["semifl", "fedswitch", "fedmatch", "supervised-only-x4"]
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _pm(s: str) -> tuple[float, float]:
+    m, sd = s.split("±")
+    return float(m), float(sd)
+
+
+def _t(m: float, sd: float, n: int) -> str:
+    if n < 2:
+        return "n/a"
+    return "inf" if sd == 0 and m != 0 else "0.00" if sd == 0 else f"{m / (sd / math.sqrt(n)):+.2f}"
+
+
+def pooled(n1: int, m1: float, s1: float, xs: list[float]) -> tuple[int, float, float]:
+    """n, mean and sample std of a group known by (n1, mean m1, sample std s1) joined with ``xs``."""
+    n = n1 + len(xs)
+    m = (n1 * m1 + sum(xs)) / n
+    ss = (n1 - 1) * s1 ** 2 + n1 * m1 ** 2 + sum(x * x for x in xs)
+    return n, m, math.sqrt(max(ss - n * m * m, 0.0) / (n - 1))
+
+
+def run_finals(folder: Path) -> dict[tuple[str, int], float]:
+    """``(row, seed) -> final accuracy`` of the finished runs in ``folder``."""
+    out = {}
+    for r in find_runs([folder]):
+        m = re.fullmatch(r"(.+)-s(\d+)", r.name)
+        s = r.series("accuracy")
+        if m and s and s[-1][0] >= int(r.config.get("num-rounds", 0)):
+            out[(m.group(1), int(m.group(2)))] = s[-1][1]
+    return out
+
+
+def ssfl(report: Path, runs: Path) -> None:
+    finals = {}
+    for line in report.read_text().splitlines():   # the onset table: one row per run, final last
+        c = _cells(line)
+        m = re.fullmatch(r"(.+)-s(\d+)", c[0]) if len(c) == 8 else None
+        if m and m.group(1) in SSFL_ROWS:
+            finals[(m.group(1), int(m.group(2)))] = float(c[-1])
+    finals.update({k: v for k, v in run_finals(runs).items() if k[0] in SSFL_ROWS and k[1] >= 3})
+    print("| row | seeds | final accuracy | per seed |\n|---|---|---|---|")
+    for row in SSFL_ROWS:
+        seeds = sorted(s for r, s in finals if r == row)
+        vals = [finals[(row, s)] for s in seeds]
+        m, sd = _mean_std(vals)
+        print(f"| {row} | {','.join(map(str, seeds))} | {m:.3f} ± {sd:.3f} | "
+              + " / ".join(f"{v:.3f}" for v in vals) + " |")
+    print("\n| row - reference | seeds paired | final, paired | seeds ahead | paired t |\n|---|---|---|---|---|")
+    for row, ref in SSFL_PAIRS:
+        seeds = sorted(s for r, s in finals if r == row and (ref, s) in finals)
+        d = [finals[(row, s)] - finals[(ref, s)] for s in seeds]
+        m, sd = _mean_std(d)
+        print(f"| {row} - {ref} | {','.join(map(str, seeds))} | {m:+.3f} ± {sd:.3f} | "
+              f"{sum(x > 0 for x in d)}/{len(d)} | {_t(m, sd, len(d))} |")
+
+
+def semisfl(report: Path, runs: Path) -> None:
+    rows, paired = {}, {}
+    for line in report.read_text().splitlines():
+        c = _cells(line)
+        if len(c) == 12 and c[0] in SEMISFL_ROWS + ["semisfl"]:   # the seed table
+            rows[c[0]] = (len(c[6].split(",")), *_pm(c[7]))
+        elif len(c) == 6 and c[0] in SEMISFL_ROWS:                  # the paired table
+            ahead, n = map(int, c[4].split("/"))
+            paired[c[0]] = (n, *_pm(c[2]), ahead)
+    new = run_finals(runs)
+    print("| row | seeds | final accuracy | seeds 3, 4 | final - semisfl's, paired | seeds ahead | paired t |")
+    print("|---|---|---|---|---|---|---|")
+    for row in ["semisfl"] + SEMISFL_ROWS:
+        xs = [new[(row, s)] for s in (3, 4) if (row, s) in new]
+        if row == "semisfl":   # its committed row already has 5 seeds: shown as committed
+            n, m, sd = rows[row]
+            print(f"| semisfl | {n} (0-4) | {m:.3f} ± {sd:.3f} | rerun: "
+                  + " / ".join(f"{x:.3f}" for x in xs) + " |  |  |  |")
+            continue
+        n, m, sd = pooled(*rows[row], xs)
+        d = [new[(row, s)] - new[("semisfl", s)] for s in (3, 4) if (row, s) in new and ("semisfl", s) in new]
+        pn, pm, psd, ahead = paired[row]
+        dn, dm, dsd = pooled(pn, pm, psd, d)
+        print(f"| {row} | {n} | {m:.3f} ± {sd:.3f} | " + " / ".join(f"{x:.3f}" for x in xs)
+              + f" | {dm:+.3f} ± {dsd:.3f} | {ahead + sum(x > 0 for x in d)}/{dn} | {_t(dm, dsd, dn)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("comparison", choices=["ssfl", "semisfl"])
+    ap.add_argument("--report", type=Path, help="seeds 0-2's committed report (default: <comparison>-fmnist.md)")
+    ap.add_argument("--runs", type=Path, help="seeds 3-4's run folders (default: runs/<comparison>-fmnist)")
+    a = ap.parse_args()
+    report = a.report or HERE / f"{a.comparison}-fmnist.md"
+    runs = a.runs or HERE / "runs" / f"{a.comparison}-fmnist"
+    (ssfl if a.comparison == "ssfl" else semisfl)(report, runs)
+
+
+if __name__ == "__main__":
+    main()
