@@ -64,14 +64,15 @@ def pooled(n1: int, m1: float, s1: float, xs: list[float]) -> tuple[int, float, 
     return n, m, math.sqrt(max(ss - n * m * m, 0.0) / (n - 1))
 
 
-def run_finals(folder: Path) -> dict[tuple[str, int], float]:
-    """``(row, seed) -> final accuracy`` of the finished runs in ``folder``."""
+def run_finals(folder: Path, last: int = 1) -> dict[tuple[str, int], float]:
+    """``(row, seed) -> final accuracy`` (``last`` > 1: the mean of the last ``last`` rounds') of
+    the finished runs in ``folder``."""
     out = {}
     for r in find_runs([folder]):
         m = re.fullmatch(r"(.+)-s(\d+)", r.name)
-        s = r.series("accuracy")
-        if m and s and s[-1][0] >= int(r.config.get("num-rounds", 0)):
-            out[(m.group(1), int(m.group(2)))] = s[-1][1]
+        s = [a for _, a in r.series("accuracy")]
+        if m and s and r.series("accuracy")[-1][0] >= int(r.config.get("num-rounds", 0)):
+            out[(m.group(1), int(m.group(2)))] = sum(s[-last:]) / len(s[-last:])
     return out
 
 
@@ -100,29 +101,32 @@ def ssfl(report: Path, runs: Path) -> None:
 
 
 def semisfl(report: Path, runs: Path) -> None:
-    rows, paired = {}, {}
+    rows, last5, paired = {}, {}, {}
     for line in report.read_text().splitlines():
         c = _cells(line)
         if len(c) == 12 and c[0] in SEMISFL_ROWS + ["semisfl"]:   # the seed table
             rows[c[0]] = (len(c[6].split(",")), *_pm(c[7]))
+            last5[c[0]] = (len(c[6].split(",")), *_pm(c[9]))
         elif len(c) == 6 and c[0] in SEMISFL_ROWS:                  # the paired table
             ahead, n = map(int, c[4].split("/"))
             paired[c[0]] = (n, *_pm(c[2]), ahead)
-    new = run_finals(runs)
-    print("| row | seeds | final accuracy | seeds 3, 4 | final - semisfl's, paired | seeds ahead | paired t |")
-    print("|---|---|---|---|---|---|---|")
+    new, new5 = run_finals(runs), run_finals(runs, last=5)
+    print("| row | seeds | final accuracy | last-5 mean | seeds 3, 4 (final) | final - semisfl's, paired | seeds ahead "
+          "| paired t |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in ["semisfl"] + SEMISFL_ROWS:
         xs = [new[(row, s)] for s in (3, 4) if (row, s) in new]
         if row == "semisfl":   # its committed row already has 5 seeds: shown as committed
             n, m, sd = rows[row]
-            print(f"| semisfl | {n} (0-4) | {m:.3f} ± {sd:.3f} | rerun: "
+            print(f"| semisfl | {n} (0-4) | {m:.3f} ± {sd:.3f} | {last5[row][1]:.3f} ± {last5[row][2]:.3f} | rerun: "
                   + " / ".join(f"{x:.3f}" for x in xs) + " |  |  |  |")
             continue
         n, m, sd = pooled(*rows[row], xs)
+        _, m5, sd5 = pooled(*last5[row], [new5[(row, s)] for s in (3, 4) if (row, s) in new5])
         d = [new[(row, s)] - new[("semisfl", s)] for s in (3, 4) if (row, s) in new and ("semisfl", s) in new]
         pn, pm, psd, ahead = paired[row]
         dn, dm, dsd = pooled(pn, pm, psd, d)
-        print(f"| {row} | {n} | {m:.3f} ± {sd:.3f} | " + " / ".join(f"{x:.3f}" for x in xs)
+        print(f"| {row} | {n} | {m:.3f} ± {sd:.3f} | {m5:.3f} ± {sd5:.3f} | " + " / ".join(f"{x:.3f}" for x in xs)
               + f" | {dm:+.3f} ± {dsd:.3f} | {ahead + sum(x > 0 for x in d)}/{dn} | {_t(dm, dsd, dn)} |")
 
 
