@@ -1,4 +1,4 @@
-"""Two of issue 29's Fashion-MNIST comparisons at 5 seeds, from what survives of each seed.
+"""Three of issue 29's Fashion-MNIST comparisons at 5 seeds, from what survives of each seed.
 
 Seeds 0-2 of these rows ran on 2026-11-25/26 on a machine that is gone with their run folders; what
 survives is the committed report of those seeds (mean ± std, paired differences, and for SSFL each
@@ -10,10 +10,11 @@ of a seed-0-2 run today follows the same course, not the same digits (docs/ssfl.
 
     python docs/paper-results/pool_seeds.py ssfl      # SSFL's design ablation, 10 rows
     python docs/paper-results/pool_seeds.py semisfl   # Semi-SFL's full-model baselines at 500 labels
+    python docs/paper-results/pool_seeds.py scala     # SCALA's Table III: FedLC against FedAvg
 
 ``ssfl``: every run's final accuracy is known, so the 5-seed statistics are computed from the values.
-``semisfl``: seeds 0-2 survive as mean ± sample std (of each row, and of each row's paired difference
-from ``semisfl``), so the 5-seed mean and sample std are pooled from those and the two new values
+``semisfl``, ``scala``: seeds 0-2 survive as mean ± sample std (of each row, and of each row's paired
+difference from the reference), so the 5-seed mean and sample std are pooled from those and the two new values
 (exact up to the 3 printed decimals).
 """
 from __future__ import annotations
@@ -100,45 +101,81 @@ def ssfl(report: Path, runs: Path) -> None:
               f"{sum(x > 0 for x in d)}/{len(d)} | {_t(m, sd, len(d))} |")
 
 
-def semisfl(report: Path, runs: Path) -> None:
-    rows, last5, paired = {}, {}, {}
+def seed_table(report: Path) -> dict[str, tuple[int, float, float, float, float]]:
+    """``row -> (seeds, final mean, final std, last-5 mean, last-5 std)`` from a report's seed table
+    (the columns found by the header's names)."""
+    out, cols = {}, None
     for line in report.read_text().splitlines():
         c = _cells(line)
-        if len(c) == 12 and c[0] in SEMISFL_ROWS + ["semisfl"]:   # the seed table
-            rows[c[0]] = (len(c[6].split(",")), *_pm(c[7]))
-            last5[c[0]] = (len(c[6].split(",")), *_pm(c[9]))
-        elif len(c) == 6 and c[0] in SEMISFL_ROWS:                  # the paired table
+        if "seeds" in c and "final accuracy" in c and "last-5 mean" in c:
+            cols = (c.index("seeds"), c.index("final accuracy"), c.index("last-5 mean"), len(c))
+        elif cols and len(c) == cols[3] and "±" in c[cols[1]]:
+            out[c[0]] = (len(c[cols[0]].split(",")), *_pm(c[cols[1]]), *_pm(c[cols[2]]))
+        elif not line.strip():
+            cols = None
+    return out
+
+
+def paired_table(report: Path) -> dict[str, tuple[int, float, float, int]]:
+    """``row -> (seeds, mean, std, seeds ahead)`` of the final differences in a report's paired table."""
+    out = {}
+    for line in report.read_text().splitlines():
+        c = _cells(line)
+        if len(c) == 6 and re.fullmatch(r"\d+/\d+", c[4]) and "±" in c[2]:
             ahead, n = map(int, c[4].split("/"))
-            paired[c[0]] = (n, *_pm(c[2]), ahead)
+            out[c[0]] = (n, *_pm(c[2]), ahead)
+    return out
+
+
+def pooled_rows(rows: dict, paired: dict, reference: str, names: list[str], runs: Path) -> None:
+    """Print each row of ``names`` at 5 seeds: its committed 3-seed statistics (``rows``) and its
+    paired difference from ``reference`` (``paired``) pooled with the seed-3/4 values in ``runs``."""
     new, new5 = run_finals(runs), run_finals(runs, last=5)
-    print("| row | seeds | final accuracy | last-5 mean | seeds 3, 4 (final) | final - semisfl's, paired | seeds ahead "
-          "| paired t |")
+    print(f"| row | seeds | final accuracy | last-5 mean | seeds 3, 4 (final) | final - {reference}'s, paired "
+          "| seeds ahead | paired t |")
     print("|---|---|---|---|---|---|---|---|")
-    for row in ["semisfl"] + SEMISFL_ROWS:
+    for row in [reference] + names:
         xs = [new[(row, s)] for s in (3, 4) if (row, s) in new]
-        if row == "semisfl":   # its committed row already has 5 seeds: shown as committed
-            n, m, sd = rows[row]
-            print(f"| semisfl | {n} (0-4) | {m:.3f} ± {sd:.3f} | {last5[row][1]:.3f} ± {last5[row][2]:.3f} | rerun: "
-                  + " / ".join(f"{x:.3f}" for x in xs) + " |  |  |  |")
+        n, m, sd, m5, sd5 = rows[row]
+        if n < 5:
+            n, m, sd = pooled(n, m, sd, xs)
+            _, m5, sd5 = pooled(rows[row][0], m5, sd5, [new5[(row, s)] for s in (3, 4) if (row, s) in new5])
+        if row == reference:
+            print(f"| {row} | {n} | {m:.3f} ± {sd:.3f} | {m5:.3f} ± {sd5:.3f} | "
+                  + ("rerun: " if rows[row][0] >= 5 else "") + " / ".join(f"{x:.3f}" for x in xs) + " |  |  |  |")
             continue
-        n, m, sd = pooled(*rows[row], xs)
-        _, m5, sd5 = pooled(*last5[row], [new5[(row, s)] for s in (3, 4) if (row, s) in new5])
-        d = [new[(row, s)] - new[("semisfl", s)] for s in (3, 4) if (row, s) in new and ("semisfl", s) in new]
+        d = [new[(row, s)] - new[(reference, s)] for s in (3, 4) if (row, s) in new and (reference, s) in new]
         pn, pm, psd, ahead = paired[row]
         dn, dm, dsd = pooled(pn, pm, psd, d)
         print(f"| {row} | {n} | {m:.3f} ± {sd:.3f} | {m5:.3f} ± {sd5:.3f} | " + " / ".join(f"{x:.3f}" for x in xs)
               + f" | {dm:+.3f} ± {dsd:.3f} | {ahead + sum(x > 0 for x in d)}/{dn} | {_t(dm, dsd, dn)} |")
 
 
+def semisfl(report: Path, runs: Path) -> None:
+    """Semi-SFL's full-model baselines and ``supervised-only-x4`` against ``semisfl`` (whose committed
+    row already has 5 seeds: shown as committed, its seeds 3-4 rerun beside the baselines)."""
+    pooled_rows(seed_table(report), paired_table(report), "semisfl", SEMISFL_ROWS, runs)
+
+
+#: FedLC - FedAvg on seeds 0-2, as docs/split.md ("Off the ceiling: SCALA's Table III") records it
+#: (the committed report pairs every row with ``scala`` only): n, mean, sample std, seeds ahead
+SCALA_FEDLC_FEDAVG_S012 = (3, 0.004, 0.016, 2)
+
+
+def scala(report: Path, runs: Path) -> None:
+    """SCALA's Table III claim FedLC > FedAvg (+8.6 points in the paper)."""
+    pooled_rows(seed_table(report), {"fedlc": SCALA_FEDLC_FEDAVG_S012}, "fedavg", ["fedlc"], runs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("comparison", choices=["ssfl", "semisfl"])
+    ap.add_argument("comparison", choices=["ssfl", "semisfl", "scala"])
     ap.add_argument("--report", type=Path, help="seeds 0-2's committed report (default: <comparison>-fmnist.md)")
     ap.add_argument("--runs", type=Path, help="seeds 3-4's run folders (default: runs/<comparison>-fmnist)")
     a = ap.parse_args()
     report = a.report or HERE / f"{a.comparison}-fmnist.md"
     runs = a.runs or HERE / "runs" / f"{a.comparison}-fmnist"
-    (ssfl if a.comparison == "ssfl" else semisfl)(report, runs)
+    {"ssfl": ssfl, "semisfl": semisfl, "scala": scala}[a.comparison](report, runs)
 
 
 if __name__ == "__main__":
