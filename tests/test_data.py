@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from tasks.data import DatasetError, load_dataset, stratified_holdout
+from tests.datasets import needs_dataset
 
 
 def test_embedded_mnist5k_real_and_balanced():
@@ -195,14 +196,12 @@ def test_fashion_mnist_without_its_files_names_the_package(tmp_path, monkeypatch
     data._load_dataset_cached.cache_clear()
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/usr/share/datasets/fashion-mnist"),
-                    reason="the Debian package dataset-fashion-mnist is not installed (.ci/run installs it)")
+@needs_dataset("fashion-mnist")
 def test_the_real_fashion_mnist_files(monkeypatch):
-    """The Debian package's files: 60,000 training and 10,000 test images, 6,000 and 1,000 of
-    each of the 10 classes, 28x28 grey."""
+    """The Debian package's files (or the folder ``$FLOWER_SSL_FASHION_MNIST_DIR`` names): 60,000
+    training and 10,000 test images, 6,000 and 1,000 of each of the 10 classes, 28x28 grey."""
     from tasks import data
 
-    monkeypatch.delenv("FLOWER_SSL_FASHION_MNIST_DIR", raising=False)
     data._load_dataset_cached.cache_clear()
     b = load_dataset("fashion-mnist")
     assert b.train.x.shape == (60000, 1, 28, 28) and b.test.x.shape == (10000, 1, 28, 28)

@@ -8,6 +8,7 @@ import pytest
 from flower_apps.config import parse_run_config, preflight
 from flower_apps.papers import PAPERS, main, row_config, run_paper, write_report
 from strategies.registry import algorithm_names
+from tests.datasets import needs_dataset
 
 
 @pytest.mark.parametrize("paper", sorted(PAPERS))
@@ -27,6 +28,7 @@ def test_every_row_is_a_valid_run_at_the_papers_settings(paper, tmp_path):
         assert cfg1["seed"] == 1 and cfg1["run-name"] == f"{row.name}-s1"
 
 
+@needs_dataset("fashion-mnist")   # the pre-flight checks that the dataset's files are there
 @pytest.mark.parametrize("paper", sorted(PAPERS))
 def test_every_paper_has_a_fashion_mnist_budget_whose_rows_are_valid(paper, tmp_path):
     """``--dataset fashion-mnist``: every paper records the budget of its Fashion-MNIST rerun, and every
