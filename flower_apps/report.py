@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flower_apps.plotting import pyplot as _pyplot
+from flower_apps.plotting import round_axis
+from flower_apps.plotting import save as _save
 from flower_apps.results import CONFIG, METRICS
 
 ATTACK_FILE = "attack.json"   # (flower_apps.attack writes it)
@@ -479,28 +482,10 @@ def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy
         (line,) = ax.plot(rounds, mean, marker=".", label=f"{g.label} (n={len(g.runs)})")
         ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                         color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("round"), ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
+    round_axis(ax), ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or f"{metric}: mean ± std over seeds")
     return _save(fig, out)
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
 
 
 def plot(runs: list[Run], out: Path, metric: str = "accuracy", title: str = "") -> Path:
@@ -513,7 +498,7 @@ def plot(runs: list[Run], out: Path, metric: str = "accuracy", title: str = "") 
         a1.plot(rounds, vals, marker=".", label=r.name)
         cum = dict(zip((int(x["round"]) for x in r.rows), r.cumulative_bytes()))
         a2.plot([cum.get(k, math.nan) / 1e6 for k in rounds], vals, marker=".", label=r.name)
-    a1.set_xlabel("round"), a1.set_ylabel(f"test {metric}"), a1.grid(alpha=0.3)
+    round_axis(a1), a1.set_ylabel(f"test {metric}"), a1.grid(alpha=0.3)
     a2.set_xlabel("cumulative MB exchanged"), a2.set_ylabel(f"test {metric}"), a2.grid(alpha=0.3)
     a1.legend(fontsize=8)
     fig.suptitle(title or f"{metric} of {len(runs)} runs")

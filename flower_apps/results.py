@@ -226,23 +226,17 @@ class RunFolder:
         rows = self.metrics()
         if not rows:
             return None
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from flower_apps.plotting import pyplot, round_axis, save
 
         rounds = [r["round"] for r in rows]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.6))
         acc_keys = [k for k in rows[-1] if k == "accuracy" or k.endswith("-accuracy") and "per-class" not in k]
         for k in acc_keys:
             a1.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
-        a1.set_xlabel("round"), a1.set_ylabel("test accuracy"), a1.grid(alpha=0.3), a1.legend(fontsize=8)
+        round_axis(a1), a1.set_ylabel("test accuracy"), a1.grid(alpha=0.3), a1.legend(fontsize=8)
         for k in ("loss", "train-loss"):
             if any(k in r for r in rows):
                 a2.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
-        a2.set_xlabel("round"), a2.set_ylabel("loss"), a2.grid(alpha=0.3), a2.legend(fontsize=8)
+        round_axis(a2), a2.set_ylabel("loss"), a2.grid(alpha=0.3), a2.legend(fontsize=8)
         fig.suptitle(title or self.path.name)
-        fig.tight_layout()
-        out = self.path / "curves.png"
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        return out
+        return save(fig, self.path / "curves.png")

@@ -169,3 +169,28 @@ def test_pool_seeds_reads_the_committed_reports(tmp_path, capsys):
     mod.ssfl(mod.HERE / "ssfl-fmnist.md", tmp_path)
     out = capsys.readouterr().out
     assert "| ssfl-gn | 0,1,2 | 0.302 ± 0.349 | 0.705 / 0.101 / 0.100 |" in out
+
+
+def test_every_round_axis_is_ticked_at_whole_rounds(monkeypatch, tmp_path):
+    """A 4-round run's figures tick 1, 2, 3, 4 on the round axis, never 1.5 or 2.5: the run folder's
+    curves.png (flower_apps.results) and the seed-group figure of a report."""
+    from flower_apps import plotting, report, results
+
+    figs = []
+    monkeypatch.setattr(plotting, "save", lambda fig, out: figs.append(fig) or out)
+    monkeypatch.setattr(report, "_save", lambda fig, out: figs.append(fig) or out)
+    run = tmp_path / "fedavg-s0"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"algo": "fedavg", "seed": 0}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"round": k, "accuracy": 0.1 * k, "loss": 1.0 / k}) + "\n"
+                                               for k in range(1, 5)))
+    assert results.RunFolder(run).plot() is not None
+    report.plot_seed_groups(report.seed_groups([report.read_run(run)]), tmp_path / "r.png")
+    assert len(figs) == 2
+    for fig in figs:
+        fig.canvas.draw()
+        for ax in fig.axes:
+            if ax.get_xlabel() == "round":
+                lo, hi = ax.get_xlim()
+                ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+                assert ticks and all(float(t).is_integer() for t in ticks), ticks
