@@ -5,6 +5,7 @@
     python -m flower_apps.papers scala --rows scala splitfed-v2 --engine simulation
     python -m flower_apps.papers scala --list             # its tables, each method's rows, settings
     python -m flower_apps.papers semisfl --set system=semisfl --target 0.95   # time and bytes to 95%
+    python -m flower_apps.papers semisfl --page           # regenerate docs/paper-results/semisfl.md
 
 Each paper's comparison (:data:`PAPERS`) is a set of rows (an ``algo`` and its keys) on a
 shared base config at the paper's own hyperparameters (optimizer, learning rate, schedule,
@@ -68,6 +69,17 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Claim:
+    """A claim of the paper that two of our rows test: ``better`` ends above ``worse``
+    (:func:`flower_apps.pages.verdict` judges it from the paired seeds); ``paper``: what the
+    paper reports for it, with its table and setting."""
+    text: str
+    better: str
+    worse: str
+    paper: str
+
+
+@dataclass(frozen=True)
 class Paper:
     name: str
     title: str
@@ -76,13 +88,16 @@ class Paper:
     supernodes: int
     expected: str                      # the paper's ordering, as the doc states it
     settings: str = ""                 # what differs from the paper, in words
-    #: the paper's own comparison tables: table -> its methods, in the paper's order (the specs'
-    #: headline-number sections); a method no row reruns yet maps to the issue that adds it
+    #: the paper's own comparison tables: table -> its methods, in the paper's order
     tables: dict[str, tuple[str, ...]] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)   # method -> why it has no row here
     #: ``--dataset NAME``: the comparison on another dataset, at the budget chosen for it (base
     #: overrides, e.g. a training subset) and that budget in words
     datasets: dict[str, Budget] = field(default_factory=dict)
+    #: the paper's own number for a method of its tables (the cell its results page shows beside ours)
+    reported: dict[str, str] = field(default_factory=dict)
+    claims: tuple[Claim, ...] = ()
+    reference: str = ""                # the paper's own method's row: the results page pairs every row with it
     rows_by_name: dict[str, Row] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +130,7 @@ class Paper:
         return "\n".join(lines)
 
 
-# Settings: each paper's optimizer, lr, schedule and batch sizes (shared/specs/<paper>.md
+# Settings: each paper's optimizer, lr, schedule and batch sizes (the papers'
 # hyperparameter tables); model family scaled down; rounds cut to fit a 2-core CPU sweep.
 PAPERS: dict[str, Paper] = {
     "semisfl": Paper(
@@ -132,12 +147,12 @@ PAPERS: dict[str, Paper] = {
               Row("semifl", {"algo": "semifl", "local-steps": 20, "semifl.server-steps": 50, "semifl.server-first": True},
                   "SemiFL, full model: the server fine-tunes 50 steps of batch 64, then static BN statistics; "
                   "clients K_u = 20 fix+mix steps on pseudo-labels >= 0.95; global momentum 0.5; one server "
-                  "stage before round 1 (baselines.md A1 [R])", label="SemiFL"),
+                  "stage before round 1 (docs/baselines.md, SemiFL)", label="SemiFL"),
               Row("fedmatch", {"algo": "fedmatch", "local-steps": 20},
                   "FedMatch, labels at the server: theta = sigma + psi, 50 server steps on sigma, K_u = 20 "
                   "client steps on psi, helpers every 10th round (the authors' h_interval)", label="FedMatch"),
               Row("fedswitch", {"algo": "fedswitch", "local-steps": 20, "fedswitch.ema-decay": 0.99},
-                  "FedSwitch (reconstruction, baselines.md A3): full model, EMA teacher evaluated, local teacher "
+                  "FedSwitch (reconstruction, docs/baselines.md): full model, EMA teacher evaluated, local teacher "
                   "adaptation, teacher/student switch; K_s 50, K_u = 20, EMA 0.99 as the base's Semi-SFL",
                   label="FedSwitch"),
               Row("semisfl-no-cluster", {"algo": "semisfl-no-cluster"}, "FedSwitch-SL-style: l_u = H_u, l_s = H_s, fixed K_s",
@@ -150,19 +165,34 @@ PAPERS: dict[str, Paper] = {
                   "at the seed's lr 0.02 with momentum 0.9 it makes the server's steps 10x supervised-only's)",
                   probe=True),
               Row("semisfl-T-all", {"algo": "semisfl", "semisfl.supcon-queue-positives": "all"},
-                  "probe: T with every same-label queue entry a positive (the literal Eq. 3, this "
-                  "library's default before 2026-11-23)", probe=True)),
+                  "probe: T with every same-label queue entry a positive (the literal Eq. 3; the default "
+                  "counts only confident entries)", probe=True)),
         datasets={"fashion-mnist": Budget(
             {"dataset": "fashion-mnist"},
             "the full Fashion-MNIST (59,500 unlabeled images over the 10 clients, 10,000 test images) at the "
             "MNIST-5k budget: every row's steps per round are fixed (K_s, K_u, server steps), so the data size "
             "changes no row's compute")},
+        reference="semisfl",
+        reported={"Supervised-only": "75.1 (CIFAR-10, IID, Table II)", "SemiFL": "78.9 (CIFAR-10, Dir(0.1), Table IV)",
+                  "FedMatch": "79.7 (CIFAR-10, Dir(0.1), Table IV)", "FedSwitch": "79.4 (CIFAR-10, Dir(0.1), Table IV)",
+                  "FedSwitch-SL": "79.2 (CIFAR-10, Dir(0.1), Table IV)", "Semi-SFL": "83.4 (CIFAR-10, Dir(0.1), Table IV)",
+                  "w/ K_s controller": "+8.7 points over fixed K_s (250 labels, §8)",
+                  "w/o K_s controller": "-8.7 points (250 labels, §8)"},
+        claims=(Claim("Semi-SFL > FedSwitch-SL (clustering regularization)", "semisfl", "semisfl-no-cluster",
+                      "+4.2 (83.4 vs 79.2, CIFAR-10 Dir(0.1), Table IV)"),
+                Claim("Semi-SFL > SemiFL", "semisfl", "semifl", "+4.5 (83.4 vs 78.9, Table IV)"),
+                Claim("Semi-SFL > FedMatch", "semisfl", "fedmatch", "+3.7 (83.4 vs 79.7, Table IV)"),
+                Claim("Semi-SFL > FedSwitch", "semisfl", "fedswitch", "+4.0 (83.4 vs 79.4, Table IV)"),
+                Claim("Semi-SFL > Supervised-only", "semisfl", "supervised-only", "+13.6 (88.7 vs 75.1, CIFAR-10 IID, Table II)"),
+                Claim("adaptive K_s > fixed K_s", "semisfl", "semisfl-fixed-ks", "+8.7 points at 250 labels (§8)"),
+                Claim("Semi-SFL > the server alone at the K_s controller's cap (ours)", "semisfl", "supervised-only-x4",
+                      "not in the paper: separates the unlabeled clients' share from the labeled steps'")),
         supernodes=10,
         tables={"Tables II, IV, V": ("Supervised-only", "SemiFL", "FedMatch", "FedSwitch", "FedSwitch-SL", "Semi-SFL"),
                 "K_s controller ablation (§8)": ("w/ K_s controller", "w/o K_s controller")},
         expected="Semi-SFL > FedSwitch-SL (no clustering) > supervised-only; adaptive K_s >= fixed K_s",
         settings="SGD momentum 0.9, lr 0.02 cosine, weight decay 5e-4, batch 64 (paper); K_s 50 initial, "
-                 "K_u 20, EMA 0.99 (spec small-scale check); 10 clients Dir(0.1), 3 per round (paper 10 of 30); "
+                 "K_u 20, EMA 0.99 (a small-scale check); 10 clients Dir(0.1), 3 per round (paper 10 of 30); "
                  "500 labels on the PS; Semi-SFL CNN split after conv2; 15 rounds (paper 1000)"),
     "ssfl": Paper(
         name="ssfl", title="SSFL benchmark (Zhang et al.): CRL, GN vs BN, grouping, vs supervised references",
@@ -190,7 +220,7 @@ PAPERS: dict[str, Paper] = {
               Row("overlapsgd-gn", {"algo": "overlapsgd", "norm": "gn"},
                   "Overlap Local-SGD, period T = 16, pull 0.6, anchor momentum 0.7; the anchor is evaluated",
                   label="OverlapSGD"),
-              # what makes CRL collapse (issue 29): one ingredient changed per row
+              # what makes CRL collapse: one ingredient changed per row
               Row("ssfl-gn-cutout7", {"algo": "ssfl", "norm": "gn", "cutout": 7},
                   "probe: CRL + GN with a 7-px Cutout instead of the authors' half-image 14 px", probe=True),
               Row("ssfl-afo", {"algo": "ssfl", "model": "cnn-afo", "norm": "none", "dropout": 0.5},
@@ -211,6 +241,21 @@ PAPERS: dict[str, Paper] = {
             "beta = 5% of the users' data as on MNIST-5k (2,950 here, 200 there), since 200 images cannot move "
             "the R of 5,900-image users to 0.29",
             rows={"datasharing-gn": {"server-labels": 2950}})},
+        reference="ssfl-gn",
+        reported={"self-training": "52.10 (CIFAR-10, §9)", "CRL+BN": "85.11 (CIFAR-10, §9)",
+                  "CRL+GN": "92.83 (CIFAR-10, §9)", "CRL+GN+grouping": "93.38 (CIFAR-10, §9)",
+                  "supervised FedAvg": "78.52 (CIFAR-10, R = 0.29, Table 3)", "DataSharing": "81.82 (Table 3)",
+                  "ours (no user labels)": "91.35 (Table 3)", "EASGD": "91.12 (T = 2, Table 4)",
+                  "OverlapSGD": "91.63 (T = 2, Table 4)", "ours FedAvg": "93.83 (T = 2, Table 4)",
+                  "ours grouping": "94.22 (T = 2, Table 4)"},
+        claims=(Claim("CRL >> self-training", "ssfl-gn", "ssfl-selftrain-gn", "+40.7 (92.83 vs 52.10, CIFAR-10)"),
+                Claim("GN > BN", "ssfl-gn", "ssfl-bn", "+7.7 (92.83 vs 85.11, CIFAR-10)"),
+                Claim("grouping > FedAvg (S = 2)", "ssfl-gn-s2", "ssfl-gn", "+0.55 (93.38 vs 92.83, CIFAR-10)"),
+                Claim("SSFL > the server's labels alone", "ssfl-gn", "supervised-only-gn",
+                      "implied: the users' unlabeled data add to the server's labels"),
+                Claim("SSFL > DataSharing", "ssfl-gn", "datasharing-gn", "+9.5 (91.35 vs 81.82, Table 3)"),
+                Claim("SSFL > EASGD", "ssfl-gn", "easgd-gn", "+2.7 (93.83 vs 91.12, T = 2, Table 4)"),
+                Claim("SSFL > OverlapSGD", "ssfl-gn", "overlapsgd-gn", "+2.2 (93.83 vs 91.63, T = 2, Table 4)")),
         supernodes=10,
         tables={"design ablation (§9)": ("self-training", "CRL+BN", "CRL+GN", "CRL+GN+grouping"),
                 "Table 3": ("supervised FedAvg", "DataSharing", "ours (no user labels)"),
@@ -236,7 +281,7 @@ PAPERS: dict[str, Paper] = {
                   probe=True),
               Row("fed-pseudo-uniform", {"algo": "fed-pseudo", "fedshvr.weighting": "uniform"},
                   "Fed-Pseudo with omega_k = 1/K instead of N_k + M_k (the paper's weights did not survive; "
-                  "the spec's recommendation is N_k + M_k)", probe=True),
+                  "N_k + M_k is the recommended reading)", probe=True),
               Row("fedshvr-no-vr", {"algo": "fedshvr-no-vr"}, "ablation: no correction d_k"),
               Row("fedshvr-no-nova", {"algo": "fedshvr-no-nova"}, "ablation: plain averaging"),
               Row("fed-pseudo+dk", {"algo": "fedshvr", "fedshvr.alpha1": 0.0, "fedshvr.alpha2": 0.0,
@@ -250,6 +295,12 @@ PAPERS: dict[str, Paper] = {
             "a stratified 10,000-image subset of Fashion-MNIST (600 labels, about 9,300 unlabeled over the 10 "
             "clients); unlabeled sizes Dir_10(5), which gives tau_k = 37-80 and a largest-to-smallest ratio of "
             "1.86 / 2.11 / 1.87 (seeds 0-2) against the paper's 270-500 (1.85); 40 rounds of E = 2 epochs")},
+        reference="fedshvr",
+        claims=(Claim("Fed-SHVR >= Fed-Pseudo", "fedshvr", "fed-pseudo", "qualitative (no numbers survived), MNIST"),
+                Claim("Fed-SHVR > Fed-MT", "fedshvr", "fed-mt", "qualitative, MNIST"),
+                Claim("Fed-Pseudo > labeled-only FedAvg", "fed-pseudo", "fed-sl", "qualitative, MNIST"),
+                Claim("removing the correction d_k hurts", "fedshvr", "fedshvr-no-vr", "qualitative (loss, run-to-run std)"),
+                Claim("removing FedNova averaging hurts", "fedshvr", "fedshvr-no-nova", "qualitative (loss, run-to-run std)")),
         supernodes=10,
         expected="Fed-SHVR >= Fed-MT, Fed-Pseudo > labeled-only FedAvg; removing d_k or FedNova hurts",
         settings="plain SGD lr 0.01, B_l = B_u = 32, E = 2, K = 10, MLP, alpha1 0.75, alpha2 0.1, alpha0 "
@@ -279,7 +330,7 @@ PAPERS: dict[str, Paper] = {
                   "M = 1: the client's own model only (uncertainty-weighted pseudo-labels, no helpers)"),
               Row("local-only", {"algo": "local-only"}),
               Row("umpfssl-lr0.01", {"algo": "umpfssl", "lr": 0.01},
-                  "probe: 100x the paper's learning rate (this library's earlier setting)", probe=True),
+                  "probe: 100x the paper's learning rate", probe=True),
               Row("fixavg-lr0.01", {"algo": "fixavg", "lr": 0.01}, "probe: FixAvg at 100x the paper's lr",
                   probe=True),
               Row("local-only-lr0.01", {"algo": "local-only", "lr": 0.01},
@@ -292,13 +343,21 @@ PAPERS: dict[str, Paper] = {
             "(600 per client, the paper's 60,000 / 100), 10 clients per round (the paper's 10% of 100) for 40 "
             "rounds: 20 participations per client of one epoch, about 9 steps of 64 (the paper: about 20 of "
             "about 9)")},
+        reference="umpfssl",
+        reported={"FedAvg-SL": "81.71 (Fashion-MNIST, alpha 0.5, Table 1)", "FedProx-SL": "81.83", "FedBN-SL": "75.79",
+                  "FixAvg": "75.94", "FixProx": "76.77", "FixBN": "76.40", "FedPer": "60.65", "LG-FedAvg": "74.64",
+                  "pFedMe": "44.53", "UM-pFSSL": "78.38 (Fashion-MNIST, alpha 0.5, Table 1)"},
+        claims=tuple(Claim(f"UM-pFSSL > {label}", "umpfssl", row, f"+{78.38 - num:.2f} (78.38 vs {num}, Table 1)")
+                     for label, row, num in (("FixAvg", "fixavg", 75.94), ("FixProx", "fixprox", 76.77),
+                                             ("FixBN", "fixbn", 76.40), ("FedPer", "fedper-fix", 60.65),
+                                             ("LG-FedAvg", "lg-fedavg-fix", 74.64), ("pFedMe", "pfedme-fix", 44.53))),
         supernodes=20,
         tables={"Table 1": ("FedAvg-SL", "FedProx-SL", "FedBN-SL", "FixAvg", "FixProx", "FixBN", "FedPer", "LG-FedAvg",
                             "pFedMe", "UM-pFSSL")},
         expected="UM-pFSSL > FixAvg/FixProx/FedPer in mean per-client accuracy, with a lower variance",
         settings="SGD lr 1e-4 momentum 0.9, batch 64, dropout 0.5, 10% of the clients per round, M = 5, "
                  "R = 2, F = 20, nu = 10 (paper); K = 20, Dir(0.5) labels, Dir_2(0.5) labeled ratios, E = 1, "
-                 "T_mc = 10 (spec); MNIST-5k instead of Fashion-MNIST (offline), the small CNN with BatchNorm "
+                 "T_mc = 10; MNIST-5k instead of Fashion-MNIST (offline), the small CNN with BatchNorm "
                  "and dropout instead of ResNet-9; 20 rounds (paper 200)"),
     "scala": Paper(
         name="scala", title="SCALA (Yang & Liu): split FL under label skew",
@@ -318,13 +377,13 @@ PAPERS: dict[str, Paper] = {
               Row("splitfed-v2", {"algo": "splitfed-v2"}, "sequential: clients in a random order per round",
                   label="SplitFedV2"),
               Row("sfl-local-loss", {"algo": "sfl-local-loss"},
-                  "Table III [R]: clients train on a local auxiliary head (flatten + linear on the cut's "
+                  "Table III, reconstruction: clients train on a local auxiliary head (flatten + linear on the cut's "
                   "activation), no server gradients; one server part, one CE step per client in a seeded "
                   "random order; bottoms and heads averaged", label="SFLLocalLoss"),
               Row("ca-sfl", {"algo": "ca-sfl"}, "= Minibatch-SFL (also registered as minibatch-sfl): concatenation, "
                   "plain CE", label=("CA-SFL", "Minibatch-SFL")),
               Row("cs-sfl", {"algo": "cs-sfl"},
-                  "Table III, reconstruction [R]: SplitFedV1 with class-balanced client selection (Fed-CBS's "
+                  "Table III, reconstruction: SplitFedV1 with class-balanced client selection (Fed-CBS's "
                   "QCID sampler, lambda = 10) from the split-info label histograms", label="CS-SFL"),
               Row("scala", {"algo": "scala"}, label="SCALA"),
               Row("lla-sfl", {"algo": "lla-sfl"}, label="LLA-SFL"),
@@ -353,6 +412,21 @@ PAPERS: dict[str, Paper] = {
             {"dataset": "fashion-mnist"},
             "the full Fashion-MNIST at the MNIST-5k budget: I = 10 iterations of B = 160 per round whatever the "
             "data size")},
+        reference="scala",
+        reported={"SplitFedV1": "60.97 (CIFAR-10, alpha 2, rho 10%, Tables II-III)", "CA-SFL": "74.47 (Table II)",
+                  "LLA-SFL": "75.87 (Table II)", "SCALA": "82.70 (CIFAR-10, alpha 2, rho 10%, Tables II-III)",
+                  "FedAvg": "68.36 (Table III)", "FedProx": "69.03 (Table III)", "FedLC": "76.91 (Table III)",
+                  "FedCBS": "68.54 (Table III)", "SplitFedV2": "62.24 (Table III)", "SFLLocalLoss": "71.56 (Table III)",
+                  "Minibatch-SFL": "74.47 (Table III)", "CS-SFL": "77.13 (Table III)",
+                  "FedConcat": "17.74 (CIFAR-100, ResNet-18, alpha 3, rho 10%, Table IV)"},
+        claims=(Claim("SCALA > SplitFedV1", "scala", "splitfed-v1", "+21.7 (82.70 vs 60.97, Table II)"),
+                Claim("SCALA > CA-SFL (logit adjustment)", "scala", "ca-sfl", "+8.2 (82.70 vs 74.47, Table II)"),
+                Claim("SCALA > LLA-SFL (concatenation)", "scala", "lla-sfl", "+6.8 (82.70 vs 75.87, Table II)"),
+                Claim("CA-SFL > SplitFedV1", "ca-sfl", "splitfed-v1", "+13.5 (74.47 vs 60.97, Table II)"),
+                Claim("LLA-SFL > SplitFedV1", "lla-sfl", "splitfed-v1", "+14.9 (75.87 vs 60.97, Table II)"),
+                Claim("SCALA > FedLC", "scala", "fedlc", "+5.8 (82.70 vs 76.91, Table III)"),
+                Claim("FedLC > FedAvg", "fedlc", "fedavg", "+8.6 (76.91 vs 68.36, Table III)"),
+                Claim("SCALA > FedAvg", "scala", "fedavg", "+14.3 (82.70 vs 68.36, Table III)")),
         supernodes=20,
         tables={"Table II": ("SplitFedV1", "CA-SFL", "LLA-SFL", "SCALA"),
                 "Table III": ("FedAvg", "FedProx", "FedLC", "FedCBS", "SplitFedV1", "SplitFedV2", "SFLLocalLoss",
@@ -363,7 +437,7 @@ PAPERS: dict[str, Paper] = {
 
         expected="SCALA > CA-SFL (= Minibatch-SFL) > SplitFedV2 ~ SplitFedV1 (Table III, CIFAR-10 alpha = 2: "
                  "82.70 > 74.47 > 62.24 ~ 60.97), LLA-SFL > SplitFedV1 (Table II); SCALA smallest per-class spread",
-        settings="plain SGD lr 0.01, B = 160, I = 10 (spec small-scale check; paper B = 320, I = 20); K = 20, "
+        settings="plain SGD lr 0.01, B = 160, I = 10 (a small-scale check; paper B = 320, I = 20); K = 20, "
                  "rho = 25%, 2 classes per client (alpha = 2); Semi-SFL CNN split after conv2 instead of "
                  "AlexNet; 30 rounds = 300 global iterations"),
 }
@@ -519,9 +593,19 @@ def main(argv: list[str] | None = None) -> int:
                          "(--list shows them; results in results/papers/<paper>-<NAME>)")
     ap.add_argument("--paired", default="", metavar="ROW",
                     help="also tabulate every row's per-seed differences from this row (paired over seeds)")
+    ap.add_argument("--page", action="store_true",
+                    help="regenerate the paper's results page docs/paper-results/<paper>.md (and .png) from the run "
+                         "folders committed under docs/paper-results/runs/<paper>-fmnist/ (no paper: every page); "
+                         "runs nothing")
     ap.add_argument("--list", action="store_true",
                     help="print the paper's tables (each method and the rows that rerun it), rows and settings")
     args = ap.parse_args(argv)
+    if args.page:
+        from flower_apps.pages import write_page
+
+        for p in ([PAPERS[args.paper]] if args.paper else PAPERS.values()):
+            print(write_page(p, args.dataset or "fashion-mnist"))
+        return 0
     if args.list or not args.paper:
         for p in ([PAPERS[args.paper]] if args.paper else PAPERS.values()):
             print(p.listing())

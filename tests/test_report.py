@@ -131,46 +131,6 @@ def test_a_key_a_run_predates_groups_at_its_default(tmp_path):
     assert [(g.label, [r.config["seed"] for r in g.runs]) for g in groups] == [("a", [0, 1]), ("b", [0])]
 
 
-def _pool_seeds():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "docs" / "paper-results" / "pool_seeds.py"
-    spec = importlib.util.spec_from_file_location("pool_seeds", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_pooled_seed_statistics_equal_those_of_the_values():
-    """docs/paper-results/pool_seeds.py joins a group known by (n, mean, sample std) with new
-    values; the result is the mean and sample std of all the values."""
-    import random
-    import statistics
-
-    pooled = _pool_seeds().pooled
-    rng = random.Random(3)
-    for n1, n2 in ((3, 2), (2, 1), (5, 0), (4, 3)):
-        xs = [rng.uniform(0.1, 0.9) for _ in range(n1 + n2)]
-        n, m, s = pooled(n1, statistics.mean(xs[:n1]), statistics.stdev(xs[:n1]), xs[n1:])
-        assert n == n1 + n2
-        assert m == pytest.approx(statistics.mean(xs), abs=1e-12)
-        assert s == pytest.approx(statistics.stdev(xs), abs=1e-12)
-
-
-def test_pool_seeds_reads_the_committed_reports(tmp_path, capsys):
-    """The seed-0-2 statistics it starts from are those of the committed reports (no new runs:
-    it prints them back)."""
-    mod = _pool_seeds()
-    _write_run(tmp_path / "other-s3", {"algo": "fedavg", "seed": 3, "num-rounds": 1}, [0.5])
-    mod.semisfl(mod.HERE / "semisfl-fmnist.md", tmp_path)
-    out = capsys.readouterr().out
-    assert "| semifl | 3 | 0.797 ± 0.003 | 0.799 ± 0.004 |  | +0.013 ± 0.023 | 2/3 |" in out
-    mod.ssfl(mod.HERE / "ssfl-fmnist.md", tmp_path)
-    out = capsys.readouterr().out
-    assert "| ssfl-gn | 0,1,2 | 0.302 ± 0.349 | 0.705 / 0.101 / 0.100 |" in out
-
-
 def test_every_round_axis_is_ticked_at_whole_rounds(monkeypatch, tmp_path):
     """A 4-round run's figures tick 1, 2, 3, 4 on the round axis, never 1.5 or 2.5: the run folder's
     curves.png (flower_apps.results) and the seed-group figure of a report."""

@@ -1,0 +1,172 @@
+"""Results pages: one markdown page per paper, generated from the run folders committed beside it.
+
+    python -m flower_apps.papers semisfl --page      # docs/paper-results/semisfl.md (+ .png)
+
+A page is a function of the run folders under ``docs/paper-results/runs/<paper>-<dataset>/``
+(each run's ``config.json`` and ``metrics.jsonl``) and of the paper's entry in
+:data:`flower_apps.papers.PAPERS` (its tables, the numbers the paper reports, its claims):
+
+* **Claims**: for every claim "row A beats row B", the paired difference of the final accuracy
+  over the seeds both rows ran, the seeds A is ahead on, the paired t statistic and a verdict
+  (:func:`verdict`) beside what the paper reports;
+* **The paper's tables**: every method of the paper's tables with the paper's number and ours
+  (mean ± sample std over the committed seeds), or "not regenerable" where no run folder of its
+  row is committed, with the command that reruns it;
+* **Every committed row**: :func:`flower_apps.report.seed_table` (final, best and last-5 mean),
+  the paired table against the paper's own method, the onset table where runs logged
+  pseudo-label histograms, and a figure of the mean curves (``<paper>.png``).
+
+Nothing on a page is typed by hand: ``tests/test_results_pages.py`` regenerates every page and
+fails when the committed one differs.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flower_apps.report import (SeedGroup, _mean_std, _pm, onset_table, paired_table, plot_seed_groups, read_run,
+                                seed_groups, seed_table)
+
+if TYPE_CHECKING:
+    from flower_apps.papers import Claim, Paper
+
+#: two-sided 5% critical values of Student's t, by degrees of freedom (1-30)
+T_CRIT = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+          2.045, 2.042)
+
+DOCS = Path("docs") / "paper-results"
+
+
+def runs_dir(paper: str, dataset: str = "fashion-mnist", root: Path = DOCS) -> Path:
+    """Where a paper's committed run folders live."""
+    return root / "runs" / f"{paper}-{'fmnist' if dataset == 'fashion-mnist' else dataset}"
+
+
+def t_critical(df: int) -> float:
+    """The two-sided 5% critical value of Student's t at ``df`` degrees of freedom (1.96 beyond 30)."""
+    return T_CRIT[df - 1] if 1 <= df <= len(T_CRIT) else 1.96
+
+
+def verdict(diffs: list[float]) -> str:
+    """The verdict on "A beats B" from the paired differences A - B over seeds:
+
+    * ``reproduced``: A ahead on average and the paired t at or above the two-sided 5% level;
+    * ``in direction only``: A ahead on average, not significant at that level (or one seed);
+    * ``not reproduced``: A not ahead on average; ``(reversed, significant)`` is added where B is
+      ahead at the 5% level;
+    * ``no committed runs`` where no seed has both rows.
+    """
+    n = len(diffs)
+    if n == 0:
+        return "no committed runs"
+    m, s = _mean_std(diffs)
+    t = paired_t(diffs)
+    if m > 0:
+        return "reproduced" if n >= 2 and t >= t_critical(n - 1) else "in direction only"
+    return "not reproduced" + (" (reversed, significant)" if n >= 2 and t <= -t_critical(n - 1) else "")
+
+
+def paired_t(diffs: list[float]) -> float:
+    """mean / (sample std / sqrt n) of the differences (inf where they are all equal and non-zero)."""
+    m, s = _mean_std(diffs)
+    if len(diffs) < 2 or math.isnan(m):
+        return math.nan
+    if s == 0:
+        return 0.0 if m == 0 else math.copysign(math.inf, m)
+    return m / (s / math.sqrt(len(diffs)))
+
+
+def _finals(g: SeedGroup | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in (g.runs if g else []):
+        s = r.series("accuracy")
+        if s:
+            out[int(r.config.get("seed", 0))] = s[-1][1]
+    return out
+
+
+def claim_row(claim: Claim, by_label: dict[str, SeedGroup]) -> list[str]:
+    """One line of the claims table."""
+    a, b = _finals(by_label.get(claim.better)), _finals(by_label.get(claim.worse))
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    missing = [r for r in (claim.better, claim.worse) if r not in by_label]
+    if missing:
+        ours = f"not regenerable: no committed runs of {', '.join(f'`{r}`' for r in missing)}"
+        return [claim.text, claim.paper, ours, "", "", "not regenerable"]
+    t = paired_t(diffs)
+    m, sd = _mean_std(diffs)
+    return [claim.text, claim.paper, f"{m:+.3f} ± {sd:.3f} (seeds {','.join(map(str, seeds))})",
+            f"{sum(d > 0 for d in diffs)}/{len(diffs)}", "n/a" if math.isnan(t) else f"{t:+.2f}", verdict(diffs)]
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(r) + " |" for r in rows)]) + "\n"
+
+
+def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", figure: str = "") -> tuple[str, list]:
+    """The page's markdown and the seed groups it was made of (for the figure)."""
+    runs = [read_run(d) for d in sorted(folder.iterdir()) if (d / "metrics.jsonl").exists()] if folder.is_dir() else []
+    groups = seed_groups(runs)
+    by_label = {g.label: g for g in groups}
+    rerun = f"python -m flower_apps.papers {paper.name} --dataset {dataset} --seeds 0 1 2 --rows"
+    out = [f"# {paper.title}: results on {dataset}\n",
+           f"Generated by `python -m flower_apps.papers {paper.name} --page` from the run folders in "
+           f"[`docs/paper-results/runs/{folder.name}/`](runs/{folder.name}/) (each run's `config.json` and `metrics.jsonl`); "
+           "do not edit by hand. Accuracy is the test accuracy after the last round; mean ± sample std over "
+           "the committed seeds.\n",
+           f"Budget: {paper.datasets[dataset].settings}.\n" if dataset in paper.datasets else "",
+           f"Settings: {paper.settings}.\n", f"The paper's ordering: {paper.expected}.\n"]
+    if paper.claims:
+        out += ["## Claims\n",
+                "Verdict on \"A beats B\" from the paired differences of the final accuracy over the seeds both "
+                "rows ran: *reproduced* where A is ahead and the paired t reaches the two-sided 5% level, *in "
+                "direction only* where A is ahead without reaching it, *not reproduced* where A is not ahead.\n",
+                _table(["claim", "paper", "ours: A - B (final)", "seeds A ahead", "paired t", "verdict"],
+                       [claim_row(c, by_label) for c in paper.claims])]
+    lines = []
+    for table, method, rows in paper.coverage():
+        got = [r for r in rows if r in by_label]
+        paper_num = paper.reported.get(method, "")
+        if got:
+            for r in got:
+                st = by_label[r].stats()
+                lines.append([table, method, paper_num, f"`{r}`", _pm(st["final"]),
+                              ",".join(str(s) for s in st["seeds"])])
+        else:
+            why = (f"not regenerable: no committed run folder (`{rerun} {' '.join(rows)}`)" if rows
+                   else f"no row ({paper.missing.get(method, 'not implemented')})")
+            lines.append([table, method, paper_num, ", ".join(f"`{r}`" for r in rows), why, ""])
+    out += ["## The paper's tables\n",
+            "The paper's numbers are its own setting's (dataset and model as the paper states them), ours are "
+            f"on {dataset} at the budget above: compare orderings, not values.\n",
+            _table(["table", "method", "paper", "row", "ours: final accuracy", "seeds"], lines)]
+    if groups:
+        out += ["## Every committed row\n", seed_table(groups)]
+        if paper.reference in by_label:
+            out.append("\n" + paired_table(groups, paper.reference))
+        if any("pseudo-hist" in row for r in runs for row in r.rows):
+            out.append("\n" + onset_table(runs))
+        if figure:
+            out.append(f"\n![mean accuracy per round, ±1 std over seeds]({figure})\n")
+    notes = [f"* `{r.name}`: {r.note}" for r in paper.rows if r.note]
+    if notes:
+        out += ["## Rows\n", "\n".join(notes) + "\n"]
+    return "\n".join(s for s in out if s), groups
+
+
+def write_page(paper: Paper, dataset: str = "fashion-mnist", root: Path = DOCS) -> Path:
+    """Regenerate ``<root>/<paper>.md`` and its figure ``<root>/<paper>.png``; return the page's path."""
+    folder = runs_dir(paper.name, dataset, root)
+    md, png = root / f"{paper.name}.md", root / f"{paper.name}.png"
+    text, groups = results_page(paper, folder, dataset, figure=png.name)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(text)
+    if groups:
+        plot_seed_groups(groups, png, title=f"{paper.name} on {dataset}: mean ± std over seeds")
+    elif png.exists():
+        png.unlink()
+    return md
