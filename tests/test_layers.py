@@ -1,4 +1,4 @@
-"""Imports point down only (README "Layout and development"; DESIGN.md "Layers").
+"""Imports point down only (README "Layout and tests"; DESIGN.md "Layers").
 
 flower_apps/ -> strategies/ -> split_layer/ -> tasks/. ``tasks/`` is plain torch: no Flower,
 and flwr-datasets only where it adapts to it (the Partitioner classes, the hub loader).
