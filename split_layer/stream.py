@@ -41,8 +41,8 @@ margin), so gRPC rejects an oversized message before buffering it; the first fra
 deadline (60 s after the call starts, plus the time to send the largest frame at 1 Mbit/s,
 at most the timeout); idle connections are closed
 (handshake timeout, idle timeout, keepalive pings both ways). TLS (``split-stream-tls``):
-``auto`` (default) encrypts unless the address the clients dial (``split-stream-advertise``,
-else the host) is a loopback address, ``on`` always, ``off`` never. The server makes a
+``auto`` (default) encrypts unless both the bound host and the address the clients dial
+(``split-stream-advertise``, else the host) are loopback addresses, ``on`` always, ``off`` never. The server makes a
 fresh self-signed certificate for every round, valid for that round's longest legitimate
 duration plus an hour, and ships it in the Flower start message, which itself travels over
 the deployment's authenticated (TLS) channel, so there are no certificate files to manage;

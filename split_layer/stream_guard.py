@@ -8,24 +8,31 @@ number of connections or the descriptors they take. This module adds the budget:
 
 * **A hard cap** on open connections (gRPC's ``grpc.max_allowed_incoming_connections``:
   a connection over it is closed at accept): :data:`MIN_CAP`, or more for many nodes, but
-  never more than the process's descriptor limit allows, checked at start
-  (:func:`descriptor_room`, which raises the soft limit towards the hard one), so that the
-  ServerApp's own files (results, checkpoints, logs) always have :data:`FD_RESERVE`
-  descriptors left. The cap only absorbs bursts: the budgets below keep what an attacker
-  holds far under it.
+  never more than :data:`FD_SHARE` of the descriptors the process has left at start
+  (:func:`descriptor_room`, which raises the soft limit towards the hard one first), and
+  never so many that fewer than :data:`FD_RESERVE` stay free, so that the ServerApp's own
+  files (results, checkpoints, logs) and gRPC's short-lived descriptors (a connection over
+  the cap is accepted before it is closed) have room even while an attacker holds the cap.
+  The cap only absorbs bursts: the budgets below keep what an attacker holds far under it.
 * **A connection must authenticate** (start a call with a valid node id and token)
   within :data:`AUTH_DEADLINE_S` of being first seen, counted from the connection's first
   sighting, so calls cannot refresh it; one that does not is closed.
 * **A refused call closes its connection** (after :data:`REFUSED_GRACE_S`, so that the
   refusal's status still reaches the caller): a peer that wants to keep trying must pay
   for a new connection every time.
-* **A flooding address is banned**: one refused more than :data:`FLOOD_CALLS` times within
-  :data:`FLOOD_WINDOW_S` has every unauthenticated connection closed as soon as the guard
-  sees it (every :data:`FAST_SWEEP_S` while a ban lasts), for :data:`BAN_S`. gRPC answers
-  each call in Python (about 0.2 ms of a core here, whatever the answer), so a flood can
-  only be made cheap by cutting the connections that carry it. Sessions that are open go
-  on; a genuine node behind the same address (a shared NAT) may not start a new session
-  until the ban ends.
+* **A flood is banned**: an address refused more than :data:`FLOOD_CALLS` times within
+  :data:`FLOOD_WINDOW_S` is banned for :data:`BAN_S`; so is every address at once when all
+  of them together (those already banned not counted) are refused more than
+  :data:`GLOBAL_FLOOD_CALLS` times within the window (a flood spread over many source
+  addresses, none of which alone reaches the per-address count). While a ban lasts, a
+  refused call's connection is cut within :data:`FAST_SWEEP_S`, with no grace for its
+  status, and the call is held until then (``split_layer.stream_server``), so
+  every call costs the flooder a new connection and a wait. A ban never cuts a connection
+  whose call was not refused: a call with a valid token is admitted from a banned address
+  as from any other, so genuine nodes behind the flooder's address (the same host, a shared
+  NAT) start their sessions during the ban. (Cutting the connections of a banned address
+  before their call is seen would also cut those nodes' new connections, which look the
+  same until their call arrives.)
 * **Unauthenticated connections are budgeted** per peer address
   (:data:`UNAUTH_PER_PEER`) and in all (:data:`UNAUTH_TOTAL`); over the budget the oldest
   are closed first (a genuine node authenticates within milliseconds of connecting, so the
@@ -39,41 +46,50 @@ handles as a peer that went away; the data path is untouched. Where the descript
 cannot be read (no ``/proc/self/fd`` or ``/dev/fd``), only the hard cap and gRPC's idle and
 handshake limits apply, and that is logged.
 
-Refusals are counted by a fixed set of reasons (:data:`REASONS`) and a bounded sample of
-caller addresses; the first few of each reason in every period are logged one by one, and
-a summary of bounded length follows each period that had more (:class:`RefusalLog`).
+Refusals are counted by a fixed set of reasons (:data:`REASONS`) and by caller address in
+a table of bounded size that keeps the busiest addresses (:class:`TopCallers`); the first few
+of each reason in every period are logged one by one, and a summary of bounded length, naming
+the busiest callers, follows each period that had more (:class:`RefusalLog`).
+
+Time is read from the guard's ``clock`` (``time.monotonic`` unless a test drives it), so the
+ban's window and duration and every age the sweep compares are counted in that clock.
 """
 from __future__ import annotations
 
 import collections
+import math
 import os
 import socket
 import stat
 import threading
 import time
 from logging import INFO, WARNING
+from typing import Callable
 from urllib.parse import unquote
 
 from flwr.common import log
 
-__all__ = ["RefusalLog", "ConnectionGuard", "descriptor_room", "REASONS"]
+__all__ = ["RefusalLog", "TopCallers", "FloodBans", "ConnectionGuard", "descriptor_room", "REASONS"]
 
 AUTH_DEADLINE_S = 10.0     # a connection authenticates within this (from its first sighting)
 REFUSED_GRACE_S = 0.05     # a refused call's status reaches the caller before its connection closes
 YOUNG_S = 0.5              # a connection this new is not closed for the budgets (a genuine node's call is on its way)
 UNAUTH_PER_PEER = 8        # unauthenticated connections one peer address may hold
 UNAUTH_TOTAL = 64          # unauthenticated connections every peer together may hold
-FD_RESERVE = 64            # descriptors kept free for the ServerApp's own files
+FD_RESERVE = 64            # descriptors always kept free for the ServerApp's own files
+FD_SHARE = 0.75            # connections take at most this share of the descriptors left at start
 MIN_CAP = 1024             # the hard cap on open connections, unless the descriptor limit allows fewer
 SWEEP_S = 0.25             # how often the guard looks at the connections
 FAST_SWEEP_S = 0.01        # ... while an address is banned
 FLOOD_CALLS = 200          # refusals from one address within FLOOD_WINDOW_S that make it a flooder
 FLOOD_WINDOW_S = 2.0
-BAN_S = 30.0               # a flooder's unauthenticated connections are closed at once for this long
+GLOBAL_FLOOD_CALLS = 400   # refusals from all addresses together within FLOOD_WINDOW_S that ban every address
+BAN_S = 30.0               # how long a ban lasts
+ALL = "*"                  # the key of a ban of every address
 MAX_WATCHED = 1024         # addresses whose recent refusals are counted (the least recent are forgotten)
 SUMMARY_S = 60.0           # a refusal summary at most this often
 LOG_PER_REASON = 3         # refusals logged one by one per reason and period
-MAX_CALLERS = 16           # caller addresses counted one by one (the rest: "others")
+MAX_CALLERS = 16           # caller addresses counted one by one (the busiest kept; the rest: "others")
 
 # Every reason a call or connection is refused (the keys of the counts: a fixed set)
 REASONS = {
@@ -87,7 +103,8 @@ REASONS = {
     "after-refusal": "connection closed after a refused call",
     "peer-budget": f"more than {UNAUTH_PER_PEER} unauthenticated connections from one address",
     "total-budget": f"more than {UNAUTH_TOTAL} unauthenticated connections in all",
-    "banned": f"an address refused more than {FLOOD_CALLS} times in {FLOOD_WINDOW_S:.0f} s (banned for {BAN_S:.0f} s)",
+    "banned": f"an address refused more than {FLOOD_CALLS} times in {FLOOD_WINDOW_S:.0f} s, or all addresses together "
+              f"more than {GLOBAL_FLOOD_CALLS} times (banned for {BAN_S:.0f} s)",
 }
 
 
@@ -112,8 +129,9 @@ def _host(h: str) -> str:
     return h
 
 
-def descriptor_room(want: int, reserve: int = FD_RESERVE) -> int:
-    """How many more descriptors the process may open, keeping ``reserve`` free; raises the
+def descriptor_room(want: int, reserve: int = FD_RESERVE, share: float = FD_SHARE) -> int:
+    """How many more descriptors the process may give to connections: at most ``share`` of
+    those it has left, and never so many that fewer than ``reserve`` stay free. Raises the
     soft limit (``ulimit -n``) towards the hard one first when ``want`` more do not fit."""
     try:
         import resource
@@ -121,7 +139,7 @@ def descriptor_room(want: int, reserve: int = FD_RESERVE) -> int:
         return want
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     used = _open_descriptors()
-    need = used + want + reserve
+    need = used + max(want + reserve, math.ceil(want / share))
     if soft != resource.RLIM_INFINITY and soft < need:
         new = need if hard == resource.RLIM_INFINITY else min(hard, need)
         if new > soft:
@@ -132,7 +150,8 @@ def descriptor_room(want: int, reserve: int = FD_RESERVE) -> int:
                 pass
     if soft == resource.RLIM_INFINITY:
         return want
-    return max(0, soft - used - reserve)
+    left = soft - used
+    return max(0, min(left - reserve, int(left * share)))
 
 
 def _fd_dir() -> str | None:
@@ -150,21 +169,65 @@ def _open_descriptors() -> int:
         return 0
 
 
+class TopCallers:
+    """The busiest callers in a table of at most ``size`` addresses, by the Space-Saving
+    algorithm (Metwally, Agrawal and El Abbadi, "Efficient computation of frequent and top-k
+    elements in data streams", ICDT 2005): an address not in the full table takes the place
+    of the least counted one and inherits its count, so an entry's count is an upper bound,
+    over by at most what it inherited, and any address with more than ``total / size``
+    refusals is in the table whatever arrived before or after it (decoys cannot hide a flooder)."""
+
+    def __init__(self, size: int = MAX_CALLERS) -> None:
+        self.size = int(size)
+        self.counts: dict[str, int] = {}      # address -> refusals (an upper bound)
+        self.inherited: dict[str, int] = {}   # address -> the part of its count it inherited
+
+    def add(self, addr: str) -> None:
+        if addr in self.counts:
+            self.counts[addr] += 1
+            return
+        n = 0
+        if len(self.counts) >= self.size:
+            low = min(self.counts, key=self.counts.__getitem__)
+            n = self.counts.pop(low)
+            del self.inherited[low]
+        self.counts[addr], self.inherited[addr] = n + 1, n
+
+    def top(self, k: int) -> list[tuple[str, int, int]]:
+        """The ``k`` busiest addresses, busiest first: ``(address, at least, at most)`` refusals."""
+        rows = [(a, c - self.inherited[a], c) for a, c in self.counts.items()]
+        return sorted(rows, key=lambda x: (-x[1], -x[2]))[:k]
+
+    @property
+    def others(self) -> int:
+        """At most this many of the counted refusals came from addresses no longer in the table."""
+        return sum(self.inherited.values())
+
+
 class RefusalLog:
-    """Bounded refusal accounting: counts per reason (:data:`REASONS`), callers per address
-    (at most :data:`MAX_CALLERS`, the rest counted together), the first
+    """Bounded refusal accounting: counts per reason (:data:`REASONS`), the busiest callers
+    (:class:`TopCallers`, at most :data:`MAX_CALLERS` addresses), the first
     :data:`LOG_PER_REASON` of each reason in each period logged with their detail, and one
-    summary line per period that had more."""
+    summary line per period that had more, naming the busiest callers."""
 
     def __init__(self, period: float = SUMMARY_S) -> None:
         self._lock = threading.Lock()
         self.period = float(period)
         self.total: collections.Counter = collections.Counter()    # reason -> count, whole life
         self.window: collections.Counter = collections.Counter()   # reason -> count, this period
-        self.callers: dict[str, int] = {}                           # address -> count (bounded)
-        self.other_callers = 0
+        self.top = TopCallers()                                     # the busiest addresses, whole life
         self._logged: collections.Counter = collections.Counter()  # reason -> logged this period
         self._window_start = time.monotonic()
+
+    @property
+    def callers(self) -> dict[str, int]:
+        """Address -> refusals, for the (at most :data:`MAX_CALLERS`) busiest addresses."""
+        return self.top.counts
+
+    @property
+    def other_callers(self) -> int:
+        """Refusals (at most) from addresses not among :attr:`callers`."""
+        return self.top.others
 
     def add(self, reason: str, detail: str = "", peer: str = "", addr: str | None = None) -> None:
         """Count one refusal; ``peer``: gRPC's peer string of the caller (or ``addr``, its address)."""
@@ -176,10 +239,7 @@ class RefusalLog:
         with self._lock:
             self.total[reason] += 1
             self.window[reason] += 1
-            if addr in self.callers or len(self.callers) < MAX_CALLERS:
-                self.callers[addr] = self.callers.get(addr, 0) + 1
-            else:
-                self.other_callers += 1
+            self.top.add(addr)
             show = self._logged[reason] < LOG_PER_REASON
             if show:
                 self._logged[reason] += 1
@@ -200,12 +260,12 @@ class RefusalLog:
 
     def _line(self, counts: collections.Counter, when: str) -> str:
         reasons = ", ".join(f"{r} {c}" for r, c in sorted(counts.items(), key=lambda x: -x[1]))
-        top = sorted(self.callers.items(), key=lambda x: -x[1])[:4]
-        callers = ", ".join(f"{a} ({c})" for a, c in top)
-        others = len(self.callers) - len(top)
+        top = self.top.top(4)
+        callers = ", ".join(f"{a} ({lo})" if lo == hi else f"{a} ({lo}-{hi})" for a, lo, hi in top)
+        others = len(self.top.counts) - len(top)
         more = f" and {others} more address(es)" if others > 0 else ""
-        more += f", {self.other_callers} call(s) from further addresses" if self.other_callers else ""
-        return f"split stream: {sum(counts.values())} refusal(s) {when}: {reasons}; callers {callers}{more}"
+        more += f", up to {self.top.others} call(s) from further addresses" if self.top.others else ""
+        return f"split stream: {sum(counts.values())} refusal(s) {when}: {reasons}; busiest callers {callers}{more}"
 
     def final(self) -> None:
         """The whole life's summary (at the server's stop), if anything was refused."""
@@ -217,7 +277,65 @@ class RefusalLog:
     @property
     def size(self) -> int:
         """Entries held (bounded: reasons + callers)."""
-        return len(self.total) + len(self.window) + len(self._logged) + len(self.callers)
+        return len(self.total) + len(self.window) + len(self._logged) + len(self.top.counts)
+
+
+class FloodBans:
+    """Which addresses are banned for flooding (module docstring), counted in ``clock``.
+
+    Kept for a whole run by the stream transport and handed to each of its servers: with
+    one-round sessions a server lives for one round, a ban outlives it (a flooder does not
+    get a fresh count with every round's server)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # host -> (window start, refusals)
+        self._everyone = (0.0, 0)                                           # all hosts: (window start, refusals)
+        self._banned: dict[str, float] = {}                                 # host (or ALL) -> ban ends
+
+    @staticmethod
+    def _count(start: float, n: int, now: float) -> tuple[float, int]:
+        """One more refusal in a window that started at ``start`` with ``n`` (a new window when it is over)."""
+        return (start, n + 1) if now - start <= FLOOD_WINDOW_S else (now, 1)
+
+    def refused(self, host: str) -> str:
+        """Count one refusal of ``host``; returns what it banned: ``host``, :data:`ALL` or ``""``.
+        A refusal of an address already banned counts towards nothing more."""
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            if self._hostile(host):
+                return ""
+            start, n = self._count(*self._recent.pop(host, (now, 0)), now)
+            self._recent[host] = (start, n)
+            if len(self._recent) > MAX_WATCHED:
+                self._recent.popitem(last=False)
+            self._everyone = self._count(*self._everyone, now)
+            ban = host if n > FLOOD_CALLS else ALL if self._everyone[1] > GLOBAL_FLOOD_CALLS else ""
+            if ban:
+                self._banned[ban] = now + BAN_S
+            return ban
+
+    def _expire(self, now: float) -> None:
+        for host in [h for h, t in self._banned.items() if t <= now]:
+            del self._banned[host]
+
+    def _hostile(self, host: str) -> bool:
+        return bool(self._banned) and (host in self._banned or ALL in self._banned)
+
+    def banned(self, host: str) -> bool:
+        """Whether ``host`` is banned now (on its own, or with every address)."""
+        with self._lock:
+            self._expire(self.clock())
+            return self._hostile(host)
+
+    @property
+    def active(self) -> bool:
+        """Whether a ban lasts now (a guard then cuts refused calls' connections at once)."""
+        with self._lock:
+            self._expire(self.clock())
+            return bool(self._banned)
 
 
 class ConnectionGuard:
@@ -230,15 +348,15 @@ class ConnectionGuard:
     """
 
     def __init__(self, port: int, refusals: RefusalLog, *, auth_deadline: float = AUTH_DEADLINE_S,
-                 per_peer: int = UNAUTH_PER_PEER, total: int = UNAUTH_TOTAL) -> None:
+                 per_peer: int = UNAUTH_PER_PEER, total: int = UNAUTH_TOTAL, bans: FloodBans | None = None) -> None:
         self.port, self.refusals = int(port), refusals
         self.auth_deadline, self.per_peer, self.total = float(auth_deadline), int(per_peer), int(total)
+        self.bans = bans if bans is not None else FloodBans()
+        self.clock = self.bans.clock
         self._lock = threading.Lock()
         self._authed: collections.Counter = collections.Counter()   # (host, port) -> live genuine calls
         self._refused: dict[tuple[str, int], float] = {}             # (host, port) -> when refused
         self._seen: dict[tuple[str, int], float] = {}                # (host, port) -> first sighting
-        self._recent: collections.OrderedDict = collections.OrderedDict()  # host -> (window start, refusals)
-        self._banned: dict[str, float] = {}                          # host -> ban ends
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -261,27 +379,28 @@ class ConnectionGuard:
                     del self._authed[key]
 
     def refused(self, peer: str) -> None:
+        """A call on ``peer``'s connection was refused: the connection is closed (after
+        :data:`REFUSED_GRACE_S`, or within :data:`FAST_SWEEP_S` while its address is banned),
+        and the refusal counts towards the bans (:class:`FloodBans`)."""
         key = peer_key(peer)
-        if key is not None:
-            now = time.monotonic()
-            with self._lock:
-                self._refused.setdefault(key, now)
-                start, n = self._recent.pop(key[0], (now, 0))
-                if now - start > FLOOD_WINDOW_S:
-                    start, n = now, 0
-                self._recent[key[0]] = (start, n + 1)
-                if len(self._recent) > MAX_WATCHED:
-                    self._recent.popitem(last=False)
-                ban = n + 1 > FLOOD_CALLS and key[0] not in self._banned
-                if ban:
-                    self._banned[key[0]] = now + BAN_S
-            if ban:
-                self.refusals.add("banned", f"{key[0]}: {REASONS['banned']}", addr=key[0])
-            self._wake.set()   # closed within REFUSED_GRACE_S, not at the next regular sweep
+        if key is None:
+            return
+        with self._lock:
+            self._refused.setdefault(key, self.clock())
+        host = key[0]
+        ban = self.bans.refused(host)
+        if ban:
+            what = (f"{host}: more than {FLOOD_CALLS} refusals in {FLOOD_WINDOW_S:.0f} s" if ban != ALL else
+                    f"every address: more than {GLOBAL_FLOOD_CALLS} refusals from all addresses together in "
+                    f"{FLOOD_WINDOW_S:.0f} s (the last from {host})")
+            self.refusals.add("banned", f"{what}; banned for {BAN_S:.0f} s (refused calls' connections cut at "
+                              f"once; calls with a valid token still admitted)", addr=host)
+        self._wake.set()   # closed within REFUSED_GRACE_S, not at the next regular sweep
 
     def is_banned(self, peer: str) -> bool:
+        """Whether ``peer``'s address is banned now (on its own, or with every address)."""
         key = peer_key(peer)
-        return key is not None and key[0] in self._banned
+        return key is not None and self.bans.banned(key[0])
 
     # ------------------------------------------------------------------ the sweep
     def connections(self) -> dict[tuple[str, int], int]:
@@ -321,7 +440,7 @@ class ConnectionGuard:
 
     def sweep(self, now: float | None = None) -> list[tuple[tuple[str, int], str]]:
         """Close what is over the budget now; returns ``[(peer, reason)]`` of the closed ones."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         conns = self.connections()
         close: dict[tuple[str, int], str] = {}
         with self._lock:
@@ -331,15 +450,15 @@ class ConnectionGuard:
                 for key in [k for k in d if k not in conns]:
                     del d[key]
             for key, t in self._refused.items():
-                if now - t >= REFUSED_GRACE_S:
+                if self.bans.banned(key[0]):
+                    close[key] = "banned"          # at once: no grace for a banned address's status
+                elif now - t >= REFUSED_GRACE_S:
                     close[key] = "after-refusal"
-            for host in [h for h, t in self._banned.items() if t <= now]:
-                del self._banned[host]
+            # connections that have not authenticated yet; a ban closes none of them (a genuine
+            # node's call may be on its way): only the deadline and the budgets do
             waiting = [k for k in conns if k not in self._authed and k not in close]
             for key in waiting:
-                if key[0] in self._banned:
-                    close[key] = "banned"
-                elif now - self._seen[key] > self.auth_deadline:
+                if now - self._seen[key] > self.auth_deadline:
                     close[key] = "auth-deadline"
             waiting = sorted((k for k in waiting if k not in close and now - self._seen[k] >= YOUNG_S),
                              key=lambda k: self._seen[k], reverse=True)
@@ -359,7 +478,7 @@ class ConnectionGuard:
                 self.closed += 1
                 with self._lock:
                     self._refused.pop(key, None)
-                if reason not in ("after-refusal", "banned"):   # (counted when refused, or banned)
+                if reason not in ("after-refusal", "banned"):   # (counted when refused)
                     self.refusals.add(reason, f"{REASONS[reason]}: closed", f"{key[0]} port {key[1]}", addr=key[0])
                 done.append((key, reason))
         return done
@@ -388,8 +507,9 @@ class ConnectionGuard:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._banned:   # every FAST_SWEEP_S, whatever refusals come in meanwhile
-                self._stop.wait(FAST_SWEEP_S)
+            if self.bans.active:   # a refused call's connection is cut within FAST_SWEEP_S
+                if self._wake.wait(SWEEP_S):
+                    self._stop.wait(FAST_SWEEP_S)   # (the refusals that come meanwhile in the same sweep)
             elif self._wake.wait(SWEEP_S):
                 time.sleep(REFUSED_GRACE_S)   # a refused call: its status first, then its connection goes
             self._wake.clear()

@@ -5,7 +5,7 @@ The run config (``flower_apps.config.AppConfig``) takes these knobs (``knob_of``
 ``pyproject.toml`` lists the keys with these defaults (``tests/test_config.py`` checks it).
 Constructing a :class:`StreamOptions` checks every value as the run config does, and the
 rules that join several options (a wildcard bind needs an advertised address; plaintext
-towards a non-loopback address needs consent), raising :class:`tasks.config.ConfigError`
+on or towards a non-loopback address needs consent), raising :class:`tasks.config.ConfigError`
 (a ``ValueError``) that names the key.
 """
 from __future__ import annotations
@@ -35,15 +35,17 @@ class StreamOptions:
                                              "round with one-round sessions)")
     tls: str = knob("auto", choices=TLS_MODES,
                     help="stream transport: TLS with a fresh self-signed certificate (per run, or per round with "
-                         "one-round sessions) shipped in the Flower start message; auto = on unless the address "
-                         "SuperNodes dial (split-stream-advertise, else split-stream-host) is a loopback address")
+                         "one-round sessions) shipped in the Flower start message; auto = on unless both "
+                         "split-stream-host and the address SuperNodes dial (split-stream-advertise, else "
+                         "split-stream-host) are loopback addresses")
     session: str = knob("auto", choices=SESSION_MODES,
                         help="stream transport: how long a node's stream session lasts. run = many rounds (one "
                              "Flower message starts it; later rounds start on the stream); round = one round; "
                              "auto = run unless a simulation cannot run every node's ClientApp at once")
-    allow_plaintext: bool = knob(False, help="stream transport: accept split-stream-tls='off' when SuperNodes dial "
-                                             "a non-loopback address (tokens, activations and gradients then "
-                                             "cross the network in the clear; a warning is logged every run)")
+    allow_plaintext: bool = knob(False, help="stream transport: accept split-stream-tls='off' when the ServerApp "
+                                             "binds, or SuperNodes dial, a non-loopback address (tokens, activations "
+                                             "and gradients then cross the network in the clear; a warning is "
+                                             "logged every run)")
     # not a split-stream-* key: every wait, both sides (the run's round-timeout)
     timeout: float = field(default=600.0)
 
@@ -54,12 +56,12 @@ class StreamOptions:
         if self.host in ("0.0.0.0", "::", "") and not self.advertise:
             raise ConfigError(f"split-stream-host={self.host!r} binds every interface; set split-stream-advertise "
                          f"to the address SuperNodes reach the ServerApp at")
-        if self.tls == "off" and not _is_loopback(self.address_host) and not self.allow_plaintext:
+        if self.tls == "off" and self.exposed and not self.allow_plaintext:
             raise ConfigError(
-                f"split-stream-tls='off' with SuperNodes dialling {self.address_host!r}, which is not a loopback "
-                f"address: each node's session token and every activation and gradient would cross the network "
-                f"in the clear. Use split-stream-tls='auto' or 'on', or set split-stream-allow-plaintext=true "
-                f"to accept that (e.g. on a network you trust; a warning is logged every run)")
+                f"split-stream-tls='off' with {self.exposure}: each node's session token and every activation and "
+                f"gradient would cross the network in the clear. Use split-stream-tls='auto' or 'on', or set "
+                f"split-stream-allow-plaintext=true to accept that (e.g. on a network you trust; a warning is "
+                f"logged every run)")
 
     @staticmethod
     def key(name: str) -> str:
@@ -70,11 +72,27 @@ class StreamOptions:
     def address_host(self) -> str:
         return self.advertise or self.host
 
+    @property
+    def exposed(self) -> bool:
+        """Whether the stream can be reached from the network: the ServerApp binds a host that
+        is not a loopback address (a wildcard such as ``0.0.0.0`` listens on every interface),
+        or SuperNodes dial one (``split-stream-advertise``, else ``split-stream-host``)."""
+        return not (_is_loopback(self.host) and _is_loopback(self.address_host))
+
+    @property
+    def exposure(self) -> str:
+        """Why the stream is :attr:`exposed`, in words (for errors and warnings)."""
+        if not _is_loopback(self.host):
+            return (f"split-stream-host={self.host!r}, which listens on every interface" if self.host in
+                    ("0.0.0.0", "::", "") else f"split-stream-host={self.host!r}, which is not a loopback address")
+        return f"SuperNodes dialling {self.address_host!r}, which is not a loopback address"
+
     def use_tls(self) -> bool:
-        """``auto``: TLS unless the address the clients dial (advertise, else host) is loopback."""
+        """``auto``: TLS unless both the bound host and the address the clients dial (advertise,
+        else host) are loopback addresses, i.e. unless nothing of the stream reaches a network."""
         if self.tls != "auto":
             return self.tls == "on"
-        return not _is_loopback(self.address_host)
+        return self.exposed
 
 
 def stream_knobs() -> list[tuple[Any, type]]:

@@ -6,7 +6,8 @@ metadata** (:data:`NODE_HEADER`, :data:`TOKEN_HEADER`), and the server's interce
 nodes -- before any handler runs or any frame is read. TLS (``split-stream-tls``): the server
 makes a fresh self-signed certificate (:func:`ephemeral_certificate`) and ships it in the
 Flower start message; the client trusts exactly that certificate (named :data:`TLS_NAME`).
-``auto`` encrypts unless the address the clients dial is a loopback address (:func:`_is_loopback`).
+``auto`` encrypts unless both the bound host and the address the clients dial are loopback
+addresses (:func:`_is_loopback`; ``split_layer.stream_options.StreamOptions.use_tls``).
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ from .stream_frames import (
     _grpc_options,
     decode,
 )
-from .stream_guard import FD_RESERVE, MIN_CAP, UNAUTH_TOTAL, ConnectionGuard, RefusalLog, descriptor_room
+from .stream_guard import (FD_RESERVE, FD_SHARE, MIN_CAP, UNAUTH_TOTAL, ConnectionGuard, FloodBans, RefusalLog,
+                           descriptor_room)
 from .stream_options import StreamOptions
 from .stream_security import NODE_HEADER, TOKEN_HEADER, ephemeral_certificate
 
@@ -72,11 +73,12 @@ class _Server:
     """A gRPC server with one bidirectional-stream method; events go to one queue.
 
     ``max_frame``: the largest message accepted (bytes); ``lifetime``: seconds the round may
-    legitimately last (the certificate's validity, plus an hour).
+    legitimately last (the certificate's validity, plus an hour); ``bans``: the run's
+    :class:`split_layer.stream_guard.FloodBans` (a new one when not given).
     """
 
     def __init__(self, opts: StreamOptions, nodes: list[int], max_frame: int = DEFAULT_MAX_FRAME,
-                 lifetime: float = 86_400.0, expected: int = 0) -> None:
+                 lifetime: float = 86_400.0, expected: int = 0, bans: FloodBans | None = None) -> None:
         self.events: queue.Queue = queue.Queue()   # (node, kind, payload) of the nodes' current sessions
         self._lock = threading.Lock()
         self.sessions: dict[int, _Session] = {}
@@ -90,17 +92,19 @@ class _Server:
         # The connection budget (split_layer.stream_guard): room for the expected sessions, twice
         # over (nodes that join later), and for UNAUTH_TOTAL connections not yet authenticated;
         # gRPC closes any connection over the cap at accept, and the descriptors it may take are
-        # checked against the process's limit, keeping FD_RESERVE for the ServerApp's own files.
+        # checked against the process's limit: at most FD_SHARE of those left, at least
+        # FD_RESERVE kept for the ServerApp's own files.
         expected = max(int(expected), len(nodes), 1)
         self.session_room = expected + max(expected, 8)
         want = max(self.session_room + UNAUTH_TOTAL, MIN_CAP)
         room = descriptor_room(want + 16) - 16   # (16: gRPC's own listener and pollers)
         if room < expected + 8:
             raise StreamConfigError(
-                f"split stream: this process may open only {max(room, 0)} more files (ulimit -n, keeping "
-                f"{FD_RESERVE} for the run's own files), too few for one connection per node ({expected} expected) "
-                f"plus a margin; raise the ServerApp's descriptor limit (`ulimit -n "
-                f"{2 * self.session_room + UNAUTH_TOTAL + 256}` before starting it) or sample fewer nodes")
+                f"split stream: this process may give only {max(room, 0)} more files to connections (ulimit -n, "
+                f"keeping {1 - FD_SHARE:.0%} of those left, at least {FD_RESERVE}, for the run's own files), too few "
+                f"for one connection per node ({expected} expected) plus a margin; raise the ServerApp's descriptor "
+                f"limit (`ulimit -n {2 * self.session_room + UNAUTH_TOTAL + 256}` before starting it) or sample "
+                f"fewer nodes")
         self.capacity = min(want, room)
         self.session_room = min(self.session_room, self.capacity - 8)
         handler = grpc.method_handlers_generic_handler("flowerssl.SplitStream", {
@@ -128,7 +132,7 @@ class _Server:
         self.port = port
         self.address = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
         self.server.start()
-        self.guard = ConnectionGuard(port, self.refusals)
+        self.guard = ConnectionGuard(port, self.refusals, bans=bans)
         self.guard.start()
 
     def _bind(self, bind: str, creds, opts: StreamOptions) -> int:
@@ -201,10 +205,10 @@ class _Server:
         def refuse(request_iterator, context):  # never reads a frame
             peer = context.peer()
             self.refuse(reason, why, peer)
-            # a flooder's call is held until the guard cuts its connection (within FAST_SWEEP_S; at
-            # most TARPIT_S), so that it cannot make the next one at once: its calls then cost this
-            # process a connection each instead of gRPC's ~0.2 ms of a core per call. At most
-            # TARPIT_CALLS are held at once, so the workers genuine sessions need stay free.
+            # a banned address's refused call is held until the guard cuts its connection (within
+            # FAST_SWEEP_S; at most TARPIT_S), so that it cannot make the next one at once: every
+            # call then costs the flooder a new connection and a wait. At most TARPIT_CALLS are
+            # held at once, so the workers genuine sessions need stay free.
             if self.guard.is_banned(peer) and self._tarpit.acquire(blocking=False):
                 try:
                     deadline = time.monotonic() + TARPIT_S

@@ -33,7 +33,7 @@ from .stream_frames import (
 )
 from .rounds import array_bytes
 from .stream_options import StreamOptions
-from .stream_security import _is_loopback
+from .stream_guard import FloodBans
 from .stream_server import _Server
 from .transport import Envelope, FlowerTransport, Transport, _fill, envelope_from_message
 
@@ -78,6 +78,7 @@ class StreamTransport(Transport):
         self.broken: dict[int, str] = {}     # node -> why its stream ended
         self.replied: set[int] = set()       # nodes whose Flower reply was pulled (pull once only)
         self._early: dict[int, Message] = {}  # good replies pulled before the round's end
+        self.bans = FloodBans()               # outlives each round's server (stream_guard)
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, node: int, why: str) -> None:
@@ -208,14 +209,14 @@ class StreamTransport(Transport):
             bound = max(self.max_frame(list(out), largest=True),
                         2 * max(array_bytes(e.arrays) for e in out.values()) + FRAME_MARGIN)
             self.server = _Server(self.opts, [], max_frame=bound, lifetime=SESSION_MAX_S,
-                                  expected=max(nodes, len(out), len(self.live)))
+                                  expected=max(nodes, len(out), len(self.live)), bans=self.bans)
         else:
             self.server = _Server(self.opts, [], max_frame=self.max_frame(list(out)),
-                                  lifetime=self.opts.timeout * (iters + 2), expected=len(out))
-        if not self.server.tls and not _is_loopback(self.opts.address_host):
-            log(WARNING, "split stream: TLS is off (split-stream-tls='off', split-stream-allow-plaintext=true): "
-                "the session tokens and every activation and gradient cross the network to %s in the clear",
-                self.server.address)
+                                  lifetime=self.opts.timeout * (iters + 2), expected=len(out), bans=self.bans)
+        if not self.server.tls and self.opts.exposed:
+            log(WARNING, "split stream: TLS is off (split-stream-tls='off', split-stream-allow-plaintext=true) with "
+                "%s: the session tokens and every activation and gradient can cross the network to %s in the clear",
+                self.opts.exposure, self.server.address)
         log(INFO, "split stream on %s (%s), sessions %s, up to %d connections", self.server.address,
             "TLS" if self.server.tls else "plaintext", "span rounds" if self.spans else "of one round",
             self.server.capacity)

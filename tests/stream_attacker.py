@@ -1,7 +1,7 @@
 """A hostile peer of the split stream port, run as its own process (loopback only, bounded).
 
     python tests/stream_attacker.py HOST PORT --hold N --callers M --every S --seconds T
-    python tests/stream_attacker.py HOST PORT --flood --seconds T
+    python tests/stream_attacker.py HOST PORT --flood --callers M --sources K --seconds T
 
 ``--hold N``: keeps N connections open to HOST:PORT (from ``--source``, another loopback
 address, as another host would; each sends HTTP/2's client preface, so gRPC's handshake
@@ -11,8 +11,14 @@ between rounds, at once);
 ``--callers M``: M gRPC channels, each on a connection of its own, that make one call
 without a token every ``--every`` seconds (the call is refused; the channel reconnects
 if the server closed its connection). ``--flood``: token-less calls as fast as ``--callers``
-threads (at least one), each with a channel of its own, can make them. Stops after ``--seconds`` or when its standard input closes, and
-prints one JSON line: the most connections it held at once, calls made, status codes seen.
+threads (at least one) can make them, each call on a new connection, from ``--sources``
+source addresses in turn (``--source`` and the addresses after it: 127.0.0.1 and 64
+sources are 127.0.0.1-127.0.0.64), written as raw HTTP/2 (client preface, SETTINGS, one
+HEADERS and one DATA frame) so that each connection can be bound to its source address,
+which gRPC's own channels cannot; a call ends when the server answers it (``answered``),
+resets it (``reset``), or closes the connection first (``cut``). Stops after ``--seconds``
+or when its standard input closes, and prints one JSON line: the most connections it held
+at once, calls made, status codes seen.
 
 Only loopback addresses are accepted: this is a test tool for a server on this machine.
 """
@@ -23,6 +29,7 @@ import ipaddress
 import json
 import selectors
 import socket
+import struct
 import sys
 import threading
 import time
@@ -34,6 +41,69 @@ METHOD = "/flowerssl.SplitStream/Exchange"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def _literal(name: str, value: str) -> bytes:
+    """One HPACK header field, a literal without indexing and without Huffman coding (RFC 7541 6.2.2)."""
+    n, v = name.encode(), value.encode()
+    assert len(n) < 127 and len(v) < 127
+    return b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+
+
+def raw_call_bytes(host: str, port: int) -> bytes:
+    """A whole token-less gRPC call on a new HTTP/2 connection: preface, SETTINGS, HEADERS, DATA."""
+    headers = b"".join(_literal(k, v) for k, v in ((":method", "POST"), (":scheme", "http"), (":path", METHOD),
+                                                    (":authority", f"{host}:{port}"),
+                                                    ("content-type", "application/grpc"), ("te", "trailers")))
+    return (PREFACE + _frame(1, 0x4, 1, headers)                       # HEADERS, END_HEADERS
+            + _frame(0, 0x1, 1, b"\x00" + struct.pack(">I", 1) + b"x"))  # DATA, END_STREAM: one message
+
+
+def raw_call(host: str, port: int, source: str, request: bytes) -> str:
+    """One token-less call on a new connection from ``source``: ``answered`` (the server
+    ended the stream: its trailers or a reset), ``cut`` (the connection closed first) or
+    ``refused-connect`` (no connection)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.bind((source, 0))
+        s.connect((host, port))
+    except OSError:
+        s.close()
+        return "refused-connect"
+    buf = b""
+    try:
+        s.sendall(request)
+        while True:
+            while len(buf) >= 9:
+                length = int.from_bytes(buf[:3], "big")
+                if len(buf) < 9 + length:
+                    break
+                kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                buf = buf[9 + length:]
+                if kind == 4 and not flags & 0x1:
+                    s.sendall(_frame(4, 0x1, 0))          # acknowledge the server's SETTINGS
+                elif stream == 1 and (kind == 3 or (kind == 1 and flags & 0x1)):
+                    return "answered"                      # RST_STREAM, or trailers (END_STREAM)
+                elif kind == 7:
+                    return "cut"                           # GOAWAY
+            got = s.recv(65536)
+            if not got:
+                return "cut"
+            buf += got
+    except OSError:
+        return "cut"
+    finally:
+        s.close()
+
+
+def sources_from(first: str, n: int) -> list[str]:
+    base = ipaddress.ip_address(first)
+    return [str(base + i) for i in range(max(n, 1))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("host")
@@ -43,6 +113,7 @@ def main() -> None:
     ap.add_argument("--callers", type=int, default=0)
     ap.add_argument("--every", type=float, default=1.0)
     ap.add_argument("--flood", action="store_true")
+    ap.add_argument("--sources", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=60.0)
     a = ap.parse_args()
     if not (ipaddress.ip_address(a.host).is_loopback and ipaddress.ip_address(a.source).is_loopback):
@@ -62,22 +133,27 @@ def main() -> None:
     chans = [grpc.insecure_channel(f"{a.host}:{a.port}", options=[("grpc.use_local_subchannel_pool", 1),
                                                                   ("grpc.initial_reconnect_backoff_ms", 100),
                                                                   ("grpc.max_reconnect_backoff_ms", 500)])
-             for _ in range(max(a.callers, 1 if a.flood else 0))]
+             for _ in range(a.callers)] if not a.flood else []
     lock = threading.Lock()
+    sources = sources_from(a.source, a.sources)
+    if not all(ipaddress.ip_address(x).is_loopback for x in sources):
+        raise SystemExit(f"--sources {a.sources} from {a.source} leaves the loopback range")
+    request = raw_call_bytes(a.host, a.port)
 
-    def flood(ch) -> None:
+    def flood(first: int) -> None:
         nonlocal calls
+        i = first
         while not stop.is_set() and time.monotonic() < end:
-            try:
-                ch.unary_unary(METHOD)(b"x", timeout=2)
-                code = "OK"
-            except grpc.RpcError as e:
-                code = e.code().name
+            code = raw_call(a.host, a.port, sources[i % len(sources)], request)
+            i += 1
             with lock:
                 codes[code] += 1
                 calls += 1
+            if code == "refused-connect":
+                time.sleep(0.01)
 
-    flooders = [threading.Thread(target=flood, args=(ch,), daemon=True) for ch in chans] if a.flood else []
+    flooders = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(max(a.callers, 1))] \
+        if a.flood else []
     for t in flooders:
         t.start()
     pending: list = []

@@ -242,6 +242,7 @@ def test_other_ops_go_through_flower_messages():
 
     grid = LocalGrid(K, handler)
     from strategies.base import BaseStrategy  # FlowerTransport needs strategy.exchange
+    from strategies.deadlines import WallClock
 
     class S(Owner):
         exchange = BaseStrategy.exchange
@@ -255,10 +256,12 @@ def test_other_ops_go_through_flower_messages():
         record_kind = BaseStrategy.record_kind
         policy = RoundPolicy(round_timeout=5)
         clock = None
+        timer = WallClock()
 
         def __init__(self):
             super().__init__()
             self.dropped = []
+            self.warm_nodes = set()
 
     tr = StreamTransport(S(), grid, StreamOptions())
     got = tr.exchange(1, "split-info", {n: Envelope() for n in grid.get_node_ids()})
@@ -299,11 +302,50 @@ def test_strategy_with_stream_policy_uses_the_stream_transport():
 
 
 # --------------------------------------------------------------------------- hardening (issue 14)
-def test_tls_follows_the_address_clients_dial_not_the_bind_host():
+def test_tls_is_on_unless_both_the_bind_host_and_the_address_clients_dial_are_loopback():
     assert StreamOptions(host="0.0.0.0", advertise="10.0.0.5").use_tls()
-    assert not StreamOptions(host="0.0.0.0", advertise="127.0.0.1").use_tls()   # clients dial loopback
+    # clients dial loopback, but the listener is on every interface: anyone on the network can reach it
+    assert StreamOptions(host="0.0.0.0", advertise="127.0.0.1").use_tls()
+    assert StreamOptions(host="10.0.0.5", advertise="127.0.0.1").use_tls()
     assert StreamOptions(host="127.0.0.1", advertise="node.example.org").use_tls()  # a tunnel's far end
+    assert not StreamOptions(host="127.0.0.1").use_tls()
+    assert not StreamOptions(host="::1", advertise="localhost").use_tls()
     assert not StreamOptions(host="10.0.0.5", advertise="10.0.0.5", tls="off", allow_plaintext=True).use_tls()
+
+
+def test_a_plaintext_listener_on_every_interface_needs_the_users_explicit_key_and_is_warned_about(caplog):
+    """Binding 0.0.0.0 while SuperNodes dial 127.0.0.1 listens on every interface: TLS off
+    there is refused without split-stream-allow-plaintext, and warned about every run with it."""
+    import dataclasses
+    import logging
+
+    from split_layer import stream_transport
+    from split_layer.stream import _Server
+    with pytest.raises(ConfigError, match="split-stream-host='0.0.0.0', which listens on every interface.*"
+                                          "split-stream-allow-plaintext=true"):
+        StreamOptions(host="0.0.0.0", advertise="127.0.0.1", tls="off")
+    with pytest.raises(ConfigError, match="split-stream-allow-plaintext"):
+        _parse({"algo": "scala", "split-transport": "stream", "split-stream-host": "0.0.0.0",
+                "split-stream-advertise": "127.0.0.1", "split-stream-tls": "off"})
+    opts = StreamOptions(host="0.0.0.0", advertise="127.0.0.1", tls="off", allow_plaintext=True)
+    assert opts.exposed and not opts.use_tls()
+    grid = LocalGrid(K, echo_handler())
+    tr = StreamTransport(Owner(), grid, opts)
+    tr.spans = False
+
+    def local(o, *a, **k):   # the server itself listens on loopback only (a test opens nothing on the network)
+        return _Server(dataclasses.replace(o, host="127.0.0.1"), *a, **k)
+
+    logging.getLogger("flwr").addHandler(caplog.handler)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(stream_transport, "_Server", local)
+            tr._open_server({n: Envelope(config={"split-step": 1, "split-iters": 1}) for n in grid.get_node_ids()}, 1)
+    finally:
+        logging.getLogger("flwr").removeHandler(caplog.handler)
+        tr.close()
+    said = {r.getMessage() for r in caplog.records if "TLS is off" in r.getMessage()}   # (a record may come twice)
+    assert len(said) == 1 and all("listens on every interface" in m and "in the clear" in m for m in said), said
 
 
 def test_plaintext_towards_a_remote_address_needs_the_users_explicit_key():
