@@ -3,22 +3,27 @@ and with one from 64 addresses, side by side in one run.
 
 The same rounds (same config and seeds, 3 in-process nodes on real gRPC streams from
 127.0.0.1 on a fixed port; one-round sessions by default, so every node opens a new connection
-from 127.0.0.1 every round, during the flooder's ban) are timed three times: alone; while an
+from 127.0.0.1 every round, during the flooder's ban) are timed four times: alone; while an
 attacker process (``tests/stream_attacker.py --flood``) makes token-less calls, each on a new
-connection, as fast as its threads can, from 127.0.0.1 (the genuine nodes' own address); and
+connection, as fast as its threads can, from 127.0.0.1 (the genuine nodes' own address);
 while it makes them from 64 addresses in turn (127.0.0.1-127.0.0.64, none of which alone is
-refused often enough to be banned on its own). Every call is refused before a frame is read
-and its connection closed (``split_layer.stream_guard``: the one address is banned, and the 64
-together are); a flooded run lasts longer than the guard's ban (``--rounds``; the duration of
-each is printed), so the flood is seen before, during and after a ban. The run is pinned to
-CPU 0 and the attacker to CPU 1 (where there are two), so the ratios measure what the flood
-costs the ServerApp, not the attacker's own CPU use on a shared core.
+refused often enough to be banned on its own); and alone again. Every call is refused before
+a frame is read and its connection closed (``split_layer.stream_guard``: the one address is
+banned, and the 64 together are). A flooded run lasts longer than the guard's ban
+(``--rounds``; the duration of each run is printed), so the flood is seen before, during and
+after a ban. The run is pinned to CPU 0 and the attacker to CPU 1 (where there are two), so
+the ratios measure what the flood costs the ServerApp, not the attacker's own CPU use on a
+shared core.
 
     python bench/stream_flood.py [--rounds 60] [--iters 10] [--callers 4] [--session round|run]
 
-Prints seconds per round (mean and median of rounds 2..N) without and with each flood, the
-ratios (flood / no flood) side by side, and the attacker's call rates. Every round must keep
-all 3 nodes (an assertion): a flood that cut a genuine node's connection would fail the bench.
+Prints seconds per round (wall, and CPU of this process: the ServerApp, its stream server and
+the 3 nodes; means of rounds 2..N) without and with each flood, the ratios (flood / no
+flood) side by side, and the attacker's call rates. The baseline is the mean of the runs
+before and after the flooded ones, so that a change in the machine's load during the bench
+is not taken for the flood's cost; the CPU seconds are the less sensitive to other
+processes. Every round must keep all 3 nodes (an assertion): a flood that cut a genuine
+node's connection would fail the bench.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ BASE = ("algo='scala' model='cnn' norm='bn' partition='quantity' partition-class
         "scala.total-batch=64 lr=0.05 momentum=0.9 min-nodes=2")
 
 
-def rounds(args, port: int) -> list[float]:
+def rounds(args, port: int) -> list[tuple[float, float]]:
+    """(wall seconds, CPU seconds of this process: the ServerApp, its stream server and the 3
+    nodes) of each round."""
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from flower_apps.simulate import fused_run_config
@@ -53,13 +60,13 @@ def rounds(args, port: int) -> list[float]:
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
         min_nodes=3, round_timeout=60, split_transport="stream",
         stream=StreamOptions(session=args.session, port=port, timeout=60)))
-    took: list[float] = []
-    t = [time.monotonic()]
+    took: list[tuple[float, float]] = []
+    t = [time.monotonic(), time.process_time()]
 
     def end(r, m):
-        now = time.monotonic()
-        took.append(now - t[0])
-        t[0] = now
+        now = [time.monotonic(), time.process_time()]
+        took.append((now[0] - t[0], now[1] - t[1]))
+        t[:] = now
         assert m["participants"] == 3 and not m["dropped"], m
 
     s.start(grid, num_rounds=args.rounds, on_round_end=end)
@@ -67,7 +74,7 @@ def rounds(args, port: int) -> list[float]:
     return took
 
 
-def flooded(args, sources: int) -> tuple[list[float], dict]:
+def flooded(args, sources: int) -> tuple[list[tuple[float, float]], dict]:
     """The rounds while the attacker floods from ``sources`` addresses; its report."""
     port = free_port()
     cmd = [sys.executable, str(ROOT / "tests" / "stream_attacker.py"), "127.0.0.1", str(port), "--flood",
@@ -101,25 +108,32 @@ def main() -> None:
     torch.set_num_threads(1)
     from split_layer.stream_guard import BAN_S
 
-    runs = {"without flood": (rounds(args, free_port()), None),
+    runs = {"no flood (before)": (rounds(args, free_port()), None),
             "flood, 1 address": flooded(args, 1),
-            "flood, 64 addresses": flooded(args, 64)}
-    base = statistics.mean(runs["without flood"][0][1:])
+            "flood, 64 addresses": flooded(args, 64),
+            "no flood (after)": (rounds(args, free_port()), None)}
+
+    def per_round(took, i):   # mean of rounds 2..N: i = 0 wall seconds, 1 CPU seconds
+        return statistics.mean(x[i] for x in took[1:])
+
+    quiet = [took for took, report in runs.values() if report is None]
+    base = [statistics.mean(per_round(t, i) for t in quiet) for i in (0, 1)]
     print(f"SCALA, 3 nodes, {args.iters} iterations/round, {args.rounds} rounds, stream sessions of one "
-          f"{args.session}; "
-          f"{'run on CPU 0, attacker on CPU 1' if two else 'one CPU shared'}; the guard bans for {BAN_S:.0f} s")
+          f"{args.session}; {'run on CPU 0, attacker on CPU 1' if two else 'one CPU shared'}; the guard bans for "
+          f"{BAN_S:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
     for name, (took, report) in runs.items():
-        mean, med = statistics.mean(took[1:]), statistics.median(took[1:])
-        line = (f"  {name + ':':21s} {mean:.3f} s/round mean, {med:.3f} median (rounds 2..{args.rounds}, "
-                f"{sum(took):.0f} s in all)")
+        line = (f"  {name + ':':21s} {per_round(took, 0):.3f} s/round (median "
+                f"{statistics.median(x[0] for x in took[1:]):.3f}), {per_round(took, 1):.3f} CPU s/round "
+                f"(rounds 2..{args.rounds}, {sum(x[0] for x in took):.0f} s in all)")
         if report is not None:
             rate = report["calls"] / max(report["seconds"], 1e-9)
             line += (f"; attacker: {report['calls']} token-less calls in {report['seconds']:.0f} s ({rate:.0f}/s), "
                      f"{report['codes']}")
         print(line)
-    ratios = {name: statistics.mean(took[1:]) / base for name, (took, _) in runs.items() if name != "without flood"}
-    print("  ratio flood / no flood (mean s/round): " + ", ".join(f"{n} {r:.2f}" for n, r in ratios.items()))
-    short = [n for n, (took, _) in runs.items() if n != "without flood" and sum(took) <= BAN_S]
+    for i, what in ((0, "wall s/round"), (1, "CPU s/round")):
+        print(f"  ratio flood / no flood ({what}, no flood: the mean of before and after): " + ", ".join(
+            f"{n} {per_round(t, i) / base[i]:.2f}" for n, (t, r) in runs.items() if r is not None))
+    short = [n for n, (took, r) in runs.items() if r is not None and sum(x[0] for x in took) <= BAN_S]
     if short:
         print(f"  (shorter than the {BAN_S:.0f} s ban: {', '.join(short)}; use more --rounds)")
 

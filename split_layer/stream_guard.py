@@ -1,4 +1,4 @@
-"""The split stream server's connection budget and refusal accounting (issue 24).
+"""The split stream server's connection budget and refusal accounting.
 
 The stream endpoint is an open port: anyone who reaches it can connect and make calls.
 An unauthenticated call is refused before any frame is read (``split_layer.stream_server``), but a
@@ -32,7 +32,9 @@ number of connections or the descriptors they take. This module adds the budget:
   as from any other, so genuine nodes behind the flooder's address (the same host, a shared
   NAT) start their sessions during the ban. (Cutting the connections of a banned address
   before their call is seen would also cut those nodes' new connections, which look the
-  same until their call arrives.)
+  same until their call arrives.) Bans are kept for the whole run (:class:`FloodBans`, which
+  the transport hands to each round's server), so a flooder gets no fresh count when a
+  one-round session's server is replaced by the next round's.
 * **Unauthenticated connections are budgeted** per peer address
   (:data:`UNAUTH_PER_PEER`) and in all (:data:`UNAUTH_TOTAL`); over the budget the oldest
   are closed first (a genuine node authenticates within milliseconds of connecting, so the
@@ -51,8 +53,8 @@ a table of bounded size that keeps the busiest addresses (:class:`TopCallers`); 
 of each reason in every period are logged one by one, and a summary of bounded length, naming
 the busiest callers, follows each period that had more (:class:`RefusalLog`).
 
-Time is read from the guard's ``clock`` (``time.monotonic`` unless a test drives it), so the
-ban's window and duration and every age the sweep compares are counted in that clock.
+Time is read from one clock, :attr:`FloodBans.clock` (``time.monotonic`` unless a test drives
+it): the bans' window and duration and every age the sweep compares are counted in it.
 """
 from __future__ import annotations
 

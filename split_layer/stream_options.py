@@ -82,10 +82,13 @@ class StreamOptions:
     @property
     def exposure(self) -> str:
         """Why the stream is :attr:`exposed`, in words (for errors and warnings)."""
+        why = []
         if not _is_loopback(self.host):
-            return (f"split-stream-host={self.host!r}, which listens on every interface" if self.host in
-                    ("0.0.0.0", "::", "") else f"split-stream-host={self.host!r}, which is not a loopback address")
-        return f"SuperNodes dialling {self.address_host!r}, which is not a loopback address"
+            why.append(f"split-stream-host={self.host!r} (" + ("a listener on every interface" if self.host in
+                       ("0.0.0.0", "::", "") else "not a loopback address") + ")")
+        if not _is_loopback(self.address_host) and self.address_host != self.host:
+            why.append(f"SuperNodes dialling {self.address_host!r} (not a loopback address)")
+        return " and ".join(why)
 
     def use_tls(self) -> bool:
         """``auto``: TLS unless both the bound host and the address the clients dial (advertise,

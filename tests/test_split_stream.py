@@ -243,6 +243,7 @@ def test_other_ops_go_through_flower_messages():
     grid = LocalGrid(K, handler)
     from strategies.base import BaseStrategy  # FlowerTransport needs strategy.exchange
     from strategies.deadlines import WallClock
+    from strategies.round_guard import RoundGuard
 
     class S(Owner):
         exchange = BaseStrategy.exchange
@@ -262,6 +263,7 @@ def test_other_ops_go_through_flower_messages():
             super().__init__()
             self.dropped = []
             self.warm_nodes = set()
+            self.guard = RoundGuard(self)
 
     tr = StreamTransport(S(), grid, StreamOptions())
     got = tr.exchange(1, "split-info", {n: Envelope() for n in grid.get_node_ids()})
@@ -321,7 +323,7 @@ def test_a_plaintext_listener_on_every_interface_needs_the_users_explicit_key_an
 
     from split_layer import stream_transport
     from split_layer.stream import _Server
-    with pytest.raises(ConfigError, match="split-stream-host='0.0.0.0', which listens on every interface.*"
+    with pytest.raises(ConfigError, match=r"split-stream-host='0.0.0.0' \(a listener on every interface\).*"
                                           "split-stream-allow-plaintext=true"):
         StreamOptions(host="0.0.0.0", advertise="127.0.0.1", tls="off")
     with pytest.raises(ConfigError, match="split-stream-allow-plaintext"):
@@ -345,7 +347,7 @@ def test_a_plaintext_listener_on_every_interface_needs_the_users_explicit_key_an
         logging.getLogger("flwr").removeHandler(caplog.handler)
         tr.close()
     said = {r.getMessage() for r in caplog.records if "TLS is off" in r.getMessage()}   # (a record may come twice)
-    assert len(said) == 1 and all("listens on every interface" in m and "in the clear" in m for m in said), said
+    assert len(said) == 1 and all("a listener on every interface" in m and "in the clear" in m for m in said), said
 
 
 def test_plaintext_towards_a_remote_address_needs_the_users_explicit_key():
