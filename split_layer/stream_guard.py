@@ -354,7 +354,6 @@ class ConnectionGuard:
         self.port, self.refusals = int(port), refusals
         self.auth_deadline, self.per_peer, self.total = float(auth_deadline), int(per_peer), int(total)
         self.bans = bans if bans is not None else FloodBans()
-        self.clock = self.bans.clock
         self._lock = threading.Lock()
         self._authed: collections.Counter = collections.Counter()   # (host, port) -> live genuine calls
         self._refused: dict[tuple[str, int], float] = {}             # (host, port) -> when refused
@@ -388,7 +387,7 @@ class ConnectionGuard:
         if key is None:
             return
         with self._lock:
-            self._refused.setdefault(key, self.clock())
+            self._refused.setdefault(key, self.bans.clock())
         host = key[0]
         ban = self.bans.refused(host)
         if ban:
@@ -442,7 +441,7 @@ class ConnectionGuard:
 
     def sweep(self, now: float | None = None) -> list[tuple[tuple[str, int], str]]:
         """Close what is over the budget now; returns ``[(peer, reason)]`` of the closed ones."""
-        now = self.clock() if now is None else now
+        now = self.bans.clock() if now is None else now
         conns = self.connections()
         close: dict[tuple[str, int], str] = {}
         with self._lock:
