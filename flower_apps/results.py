@@ -10,15 +10,22 @@
   ``model.pt``        the final global model's state dict
   ``curves.png``      accuracy and loss per round
   ``partition.json``  the realised partition skew (R, class histograms, ...)
+
+The folder is opened once (``O_DIRECTORY | O_NOFOLLOW``: a symbolic link there is refused) and
+every file is read and written relative to that open folder (``dir_fd``, ``O_NOFOLLOW``,
+atomic renames within it), so a path swapped for a link after the start cannot redirect a
+write: the run keeps writing into the folder it opened.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
-import tempfile
+import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -75,10 +82,12 @@ def from_safe(obj: Any) -> Any:
     return obj
 
 
-def load_safely(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)``; any failure is a :class:`CheckpointError` naming the file."""
+def load_safely(path: Path, data: bytes | None = None) -> Any:
+    """``torch.load(path, weights_only=True)`` (of ``data``, the file's bytes, where given); any
+    failure is a :class:`CheckpointError` naming the file."""
     try:
-        return from_safe(torch.load(path, map_location="cpu", weights_only=True))
+        src = path if data is None else io.BytesIO(data)
+        return from_safe(torch.load(src, map_location="cpu", weights_only=True))
     except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
         text = str(e)
         if "WeightsUnpickler error:" in text:  # torch's one relevant line (not its advice to drop weights_only)
@@ -91,31 +100,47 @@ def load_safely(path: Path) -> Any:
             f"a good copy to resume.") from None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def open_dir(path: str | os.PathLike) -> int:
+    """A descriptor of the folder ``path``, opened without following a link as its last component
+    (a link there: ``ValueError``)."""
+    try:
+        return os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    except OSError as e:
+        if os.path.islink(path):
+            raise ValueError(f"run folder {path} is a symbolic link; results are written only into a real "
+                             f"folder: remove the link, or point results-dir at the folder you want") from None
+        raise e
+
+
+def write_at(dir_fd: int, name: str, write: Callable[[BinaryIO], Any]) -> None:
+    """Atomically replace file ``name`` of the open folder ``dir_fd``: a new temporary file there
+    (``O_EXCL | O_NOFOLLOW``) filled by ``write(fh)``, synced, then renamed onto ``name``."""
+    tmp = f".{name}.{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` with ``data`` (its folder made and opened once, :func:`write_at`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    d = open_dir(path.parent)
     try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        write_at(d, path.name, lambda fh: fh.write(data))
+    finally:
+        os.close(d)
 
 
 class RunFolder:
@@ -123,6 +148,39 @@ class RunFolder:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._fd: int | None = None
+
+    def dir_fd(self) -> int:
+        """The run folder, opened once (:func:`open_dir`); every file is read and written relative
+        to it."""
+        if self._fd is None:
+            self._fd = open_dir(self.path)
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _opened(self) -> bool:
+        """Whether the folder is open, or there to be opened."""
+        return self._fd is not None or self.path.is_dir()
+
+    def _read(self, name: str) -> bytes | None:
+        """File ``name`` of the folder (not through a link), or ``None`` if it (or the folder) is absent."""
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=self.dir_fd())
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
+
+    def _write(self, name: str, data: bytes) -> None:
+        write_at(self.dir_fd(), name, lambda fh: fh.write(data))
 
     # ---------------------------------------------------------------- writing
     def start(self, config: dict[str, Any], *, resume: bool, defaults: dict[str, Any] | None = None) -> int:
@@ -136,9 +194,10 @@ class RunFolder:
         self.check_no_links()
         cfg_path = self.path / CONFIG
         if resume:
-            if not cfg_path.exists():
+            saved = self._read(CONFIG) if self._opened() else None
+            if saved is None:
                 raise FileNotFoundError(f"resume=true but {cfg_path} does not exist")
-            old = json.loads(cfg_path.read_text())
+            old = json.loads(saved)
             new_at_default = {k for k in set(config) - set(old)
                               if defaults is not None and k in defaults and defaults[k] == config[k]}
             diff = sorted(k for k in set(old) | set(config)
@@ -146,17 +205,17 @@ class RunFolder:
             if diff:
                 raise ValueError(f"resume=true but the run config differs from {cfg_path} in: {', '.join(diff)}")
             if new_at_default:   # the folder says what runs: the new knobs at their defaults
-                atomic_write_bytes(cfg_path, json.dumps({**old, **{k: config[k] for k in new_at_default}},
-                                                        indent=2, sort_keys=True).encode())
+                self._write(CONFIG, json.dumps({**old, **{k: config[k] for k in new_at_default}},
+                                               indent=2, sort_keys=True).encode())
             done = self.last_checkpoint_round()
             self.truncate_metrics(done)
             return done
-        if (self.path / METRICS).exists() and (self.path / METRICS).stat().st_size > 0:
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self._read(METRICS):
             raise FileExistsError(
                 f"run folder {self.path} already holds a run; choose another run-name, "
                 f"or set resume=true to continue it")
-        self.path.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(cfg_path, json.dumps(config, indent=2, sort_keys=True).encode())
+        self._write(CONFIG, json.dumps(config, indent=2, sort_keys=True).encode())
         return 0
 
     def check_no_links(self) -> None:
@@ -170,29 +229,31 @@ class RunFolder:
                                  f"files: remove it, or choose another run-name")
 
     def write_json(self, name: str, obj: Any) -> None:
-        atomic_write_bytes(self.path / name, json.dumps(obj, indent=2, default=_json_default).encode())
+        self._write(name, json.dumps(obj, indent=2, default=_json_default).encode())
 
     def append_metrics(self, rnd: int, metrics: dict[str, Any]) -> None:
         row = {"round": rnd, **metrics}
-        fd = os.open(self.path / METRICS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                     0o644)   # never through a link planted after the start
+        fd = os.open(METRICS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o644, dir_fd=self.dir_fd())
         with os.fdopen(fd, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row, default=_json_default) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
     def save_checkpoint(self, rnd: int, state: dict[str, Any]) -> None:
-        atomic_torch_save(to_safe({"round": int(rnd), "state": state}, "checkpoint"), self.path / CHECKPOINT)
+        obj = to_safe({"round": int(rnd), "state": state}, "checkpoint")
+        write_at(self.dir_fd(), CHECKPOINT, lambda fh: torch.save(obj, fh))
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
-        atomic_torch_save({k: v.detach().cpu() for k, v in state_dict.items()}, self.path / "model.pt")
+        obj = {k: v.detach().cpu() for k, v in state_dict.items()}
+        write_at(self.dir_fd(), "model.pt", lambda fh: torch.save(obj, fh))
 
     # ---------------------------------------------------------------- reading
     def last_checkpoint_round(self) -> int:
         p = self.path / CHECKPOINT
-        if not p.exists():
+        data = self._read(CHECKPOINT) if self._opened() else None
+        if data is None:
             return 0
-        ck = load_safely(p)
+        ck = load_safely(p, data)
         try:
             return int(ck["round"])
         except (KeyError, TypeError, ValueError):
@@ -200,15 +261,15 @@ class RunFolder:
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint (``{"round", "state"}``), read with ``weights_only=True``; ``None`` if absent."""
-        p = self.path / CHECKPOINT
-        return load_safely(p) if p.exists() else None
+        data = self._read(CHECKPOINT) if self._opened() else None
+        return load_safely(self.path / CHECKPOINT, data) if data is not None else None
 
     def metrics(self) -> list[dict[str, Any]]:
-        p = self.path / METRICS
-        if not p.exists():
+        data = self._read(METRICS) if self._opened() else None
+        if data is None:
             return []
         rows = []
-        for line in p.read_text().splitlines():
+        for line in data.decode("utf-8").splitlines():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
@@ -218,15 +279,14 @@ class RunFolder:
     def truncate_metrics(self, last_round: int) -> None:
         """Keep rows of rounds <= last_round (a round after the checkpoint is redone)."""
         rows = [r for r in self.metrics() if int(r.get("round", 0)) <= last_round]
-        atomic_write_bytes(self.path / METRICS,
-                           "".join(json.dumps(r, default=_json_default) + "\n" for r in rows).encode())
+        self._write(METRICS, "".join(json.dumps(r, default=_json_default) + "\n" for r in rows).encode())
 
     # ---------------------------------------------------------------- plot
     def plot(self, title: str = "") -> Path | None:
         rows = self.metrics()
         if not rows:
             return None
-        from flower_apps.plotting import pyplot, round_axis, save
+        from flower_apps.plotting import pyplot, round_axis
 
         rounds = [r["round"] for r in rows]
         fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.6))
@@ -239,4 +299,9 @@ class RunFolder:
                 a2.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
         round_axis(a2), a2.set_ylabel("loss"), a2.grid(alpha=0.3), a2.legend(fontsize=8)
         fig.suptitle(title or self.path.name)
-        return save(fig, self.path / "curves.png")
+        fig.tight_layout()
+        png = io.BytesIO()
+        fig.savefig(png, dpi=110, format="png")
+        pyplot().close(fig)
+        self._write("curves.png", png.getvalue())
+        return self.path / "curves.png"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 from flwr.app import Context
@@ -93,8 +93,12 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
         folder.save_checkpoint(rnd, strategy.state_dict())
 
     strategy.start(grid, num_rounds=app_cfg.num_rounds, start_round=done + 1, on_round_end=on_round_end)
+    if strategy.guard.diverged:   # (rolled back: the saved model is from before those rounds)
+        log(WARNING, "round(s) %s diverged and were not applied (metrics.jsonl: diverged); model.pt is the model "
+                     "from before them", strategy.guard.diverged)
     folder.save_model(strategy.eval_model().state_dict())
     folder.plot(f"{spec.name} on {parsed.task.dataset}")
+    folder.close()
     log(INFO, "results written to %s", folder.path)
     return folder.path
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+from logging import WARNING
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 
 from tasks.config import ConfigError, TaskConfig, knob
@@ -37,8 +39,26 @@ class RoundPolicy:
 
     fraction_train: float = knob(1.0, lo=0.0, hi=1.0, lo_open=True, help="share of nodes sampled per round")
     min_nodes: int = knob(2, lo=1, help="fewest nodes a round needs; fewer usable replies skip the round")
-    round_timeout: float = knob(600.0, lo=0.0, lo_open=True, help="seconds to wait for replies")
-    wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait for min-nodes nodes to connect")
+    round_timeout: float = knob(600.0, lo=0.0, lo_open=True,
+                                help="seconds to wait for a node's reply, counted from when its instruction was sent")
+    startup_timeout: float = knob(120.0, lo=0.0, help="extra seconds a node's first instruction of the run may take "
+                                                      "beyond round-timeout (a cold ClientApp start: process or Ray "
+                                                      "actor, imports, data); logged when used")
+    wait_for_nodes: float = knob(300.0, lo=0.0, help="seconds to wait at the start for the run's SuperNodes to "
+                                                     "connect: min-nodes of them, and in a simulation every one "
+                                                     "(the num-partitions the nodes state)")
+    payload_bound: float = knob(10.0, lo=0.0, help="split algorithms: a float stream a node uploads (activations) "
+                                                   "whose RMS is more than this many times the run's running median "
+                                                   "for that stream is refused and the node dropped from the round "
+                                                   "(0 = off); see docs/deployment.md")
+    upload_norm_bound: float = knob(0.0, lo=0.0, help="largest L2 distance of an uploaded model (or a split node's "
+                                                      "final bottom) from the model the server holds; a larger upload "
+                                                      "is refused and its node dropped from the round (0 = off)")
+    loss_bound: float = knob(100.0, lo=0.0, help="a round whose train-loss (or its model's test loss) is not finite, "
+                                                 "or more than this many times max(ln(classes), that loss's median over "
+                                                 "the run's earlier rounds), is not applied (the strategy's state is "
+                                                 "rolled back) and is reported as diverged (0 = refuse non-finite "
+                                                 "losses only)")
     max_in_flight: int = knob(0, lo=0, help="most instructions of a round out at once, refilled as replies come "
                                             "back and each reply folded into the aggregate as it arrives (0 = auto: "
                                             "in the simulation engine, where the ClientApps share this machine's CPUs, "
@@ -105,13 +125,26 @@ class NodeDirectory(Mapping[int, dict[str, Any]]):
 
     def __init__(self) -> None:
         self._entries: dict[int, dict[str, Any]] = {}
+        self._stated: dict[int, int] = {}   # node id -> the num-partitions it stated
         self.num_partitions = 0
 
     def note(self, node: int, partition_id: Any, num_partitions: Any = 0, **stats: Any) -> None:
-        """Record what ``node`` said of itself (its partition id, and any statistics)."""
+        """Record what ``node`` said of itself (its partition id, and any statistics). The first
+        ``num-partitions`` stated is the directory's; a node stating another one is logged
+        (at the start of a run, :mod:`strategies.partition_count` refuses it)."""
         self._entries[int(node)] = {**self._entries.get(int(node), {}), "partition": int(partition_id), **stats}
-        if int(num_partitions or 0) > 0:
-            self.num_partitions = int(num_partitions)
+        count = int(num_partitions or 0)
+        if count > 0:
+            self._stated[int(node)] = count
+            if self.num_partitions and count != self.num_partitions:
+                log(WARNING, "node %s states num-partitions=%d, the run's is %d: its data is not the run's "
+                             "partition; check its --node-config", node, count, self.num_partitions)
+            else:
+                self.num_partitions = count
+
+    def stated_counts(self) -> dict[int, int]:
+        """node id -> the ``num-partitions`` it stated (nodes that stated one)."""
+        return dict(self._stated)
 
     def partitions(self) -> dict[int, int]:
         """node id -> partition id of every node known."""

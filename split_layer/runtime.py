@@ -3,11 +3,12 @@
 One round (``run_round``), for ``I = local_iterations()``:
 
 1. sample nodes (seeded, ``fraction-train``); nodes never seen before answer a one-time
-   ``split-info`` query (partition id, ``|D_k|``, label histogram ``n_k``), noted in the
-   strategy's node directory (``self.directory``, :class:`split_layer.rounds.NodeDirectory`;
-   in checkpoints too). It is the only query a split node answers in its first round: when
-   sampling needs every node's partition id (``fraction-train < 1``), all nodes are asked it
-   then, instead of ``node-info`` (:meth:`SplitRuntime.learn_partitions`);
+   ``split-info`` query (partition id, ``num-partitions``, ``|D_k|``, label histogram ``n_k``),
+   noted in the strategy's node directory (``self.directory``,
+   :class:`split_layer.rounds.NodeDirectory`; in checkpoints too). It is the only query a split
+   node answers: the nodes connected at the start are asked it then (their ``num-partitions``
+   fixes the run's partition count, :mod:`strategies.partition_count`), later ones in their
+   first round, and it stands in for ``node-info`` (:meth:`SplitRuntime.learn_partitions`);
 2. ``begin_round(rnd, nodes)`` (algorithm: batch shares, priors, server copies...);
 3. ``visit_groups(rnd, nodes)`` splits the nodes into groups that visit the server part
    **one group after another** (default: one group of all nodes, the barrier; SplitFedV2:
@@ -28,9 +29,11 @@ One round (``run_round``), for ``I = local_iterations()``:
 4. ``aggregate(rnd, {node: final envelope})`` once, over the finals of all groups
    (default: ``|D_k|``-weighted mean of the bottoms, BatchNorm buffers included).
 
-Faults: a node whose reply is an error, is missing at the timeout (``round-timeout``
-applies to each exchange), or whose payload fails validation is dropped from the rest of
-the round with a logged warning and listed in the round's ``dropped`` metric; the others
+Faults: a node whose reply is an error, is missing at the timeout (``round-timeout`` after
+each instruction was sent, :mod:`strategies.deadlines`), whose payload fails validation, or
+whose streams are beyond the run's statistics (``payload-bound``, :mod:`split_layer.bounds`) is
+dropped from the rest of the round with a logged warning and listed in the round's ``dropped``
+metric; the others
 continue (a group whose nodes all failed ends early; the next group still runs). If fewer
 than ``min-nodes`` nodes can still finish (finished ones + survivors of the current group +
 nodes of the groups not yet started), the round is skipped cleanly: the server part is
@@ -73,6 +76,7 @@ from .cut import (
     resolve_cut,
     split_model,
 )
+from .bounds import StreamBounds, update_norm
 from .rounds import NodeDirectory, array_bytes
 from .transport import TRANSPORTS, Envelope, FlowerTransport, Transport
 from .validation import SplitValidationError, TensorSpec, check_streams
@@ -251,9 +255,14 @@ class SplitRuntime:
             return
         asked.update({n: server_round for n in todo})
         replies = self.exchange_payloads(transport, server_round, "split-info", {n: Envelope() for n in todo})
+        if self.env is not None:
+            classes = self.env.num_classes
+        else:   # asked at the start, before the server's data is partitioned (strategies.partition_count)
+            from tasks.env import load_bundle
+            classes = load_bundle(self.task).num_classes
         for n, env in replies.items():
             hist = np.asarray(env.tensors.get("histogram", np.zeros(0)), dtype=np.int64)
-            if hist.shape != (self.env.num_classes,) or (hist < 0).any():
+            if hist.shape != (classes,) or (hist < 0).any():
                 self.drop(n, f"bad label histogram of shape {hist.shape}")
                 continue
             self.directory.note(n, env.config["partition-id"], env.config.get("num-partitions", 0),
@@ -396,6 +405,9 @@ class SplitRuntime:
                     self.drop(n, str(e))
                     continue
                 good[n] = env
+            for n, why in self.refused_payloads(step, iters, good, bottom).items():
+                self.drop(n, f"node {n}: {why}")
+                del good[n]
             alive = [n for n in alive if n in good]
             if len(alive) + len(others) < self.policy.min_nodes:
                 return None, alive + list(others)
@@ -413,6 +425,21 @@ class SplitRuntime:
                 g = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in grads[n].items()}
                 msgs[n] = Envelope(tensors=g, config={"split-step": step + 1, "split-iters": iters})
         return {}, []  # not reached: the loop returns at step I + 1
+
+    def refused_payloads(self, step: int, iters: int, replies: dict[int, Envelope],
+                         bottom: dict[str, np.ndarray]) -> dict[int, str]:
+        """The well-formed replies of one exchange that are still refused, ``node -> why``: at steps
+        ``1..I`` streams beyond the run's statistics (``payload-bound``, :class:`split_layer.bounds.StreamBounds`),
+        at the final reply a bottom further than ``upload-norm-bound`` from the round's ``bottom``."""
+        if step <= iters:
+            bounds = self.__dict__.setdefault("_stream_bounds", StreamBounds(self.policy.payload_bound))
+            return bounds.refuse({n: env.tensors for n, env in replies.items()}, f"step {step}")
+        limit = self.policy.upload_norm_bound
+        if limit <= 0:
+            return {}
+        norms = {n: update_norm(env.arrays["bottom"], bottom) for n, env in replies.items()}
+        return {n: f"final bottom: its distance from the round's bottom, {d:.4g}, is more than upload-norm-bound="
+                   f"{limit:g}; refused, not applied" for n, d in norms.items() if d > limit}
 
     def _skip(self, server_round: int, out: dict[str, Any], alive: list[int], snap: Any) -> dict[str, Any]:
         if snap is not None:

@@ -5,7 +5,9 @@ right name, shape, dtype, and (for floats) no NaN/Inf; labels also in ``[0, M)``
 Anything else raises :class:`SplitValidationError`, a ``ValueError`` whose message
 names the stream, the node/step, and what was expected. The client raises it (Flower
 turns it into an error reply and the server drops that node); the server catches it
-and drops the node that sent the bad payload. Nothing bad is ever applied.
+and drops the node that sent the bad payload: a malformed payload is never applied.
+Well-formed payloads of an abnormal scale are held to the run's own statistics by
+:mod:`split_layer.bounds` (what that does and does not defend is stated there).
 """
 from __future__ import annotations
 

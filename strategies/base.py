@@ -61,6 +61,9 @@ from split_layer.rounds import (
     describe_error,
 )
 from split_layer.runtime import SplitRuntime
+from strategies.deadlines import ReplyDeadlines, WallClock
+from strategies.partition_count import settle_partitions, wait_for
+from strategies.round_guard import RoundGuard
 from tasks.aggregate import RunningWeightedMean
 from tasks.config import ConfigError, TaskConfig, fields_of, replace_checked, to_flat
 from tasks.env import Env, NodeData, library_env, user_env
@@ -170,6 +173,9 @@ class BaseStrategy(Strategy):
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
         self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
         self.clock: RoundClock | None = None       # the simulated system's clock (policy.system; start())
+        self.timer = WallClock()                   # what waits read and sleep on (tests drive their own)
+        self.warm_nodes: set[int] = set()          # nodes that answered in this run (strategies.deadlines)
+        self.guard = RoundGuard(self)              # upload bound, divergence roll-back (strategies.round_guard)
         self._sim_total = 0.0                      # simulated seconds of the rounds before a resume
         if self.user is not None:
             # the user's model and data are all there is to check: every setup error (missing
@@ -182,15 +188,17 @@ class BaseStrategy(Strategy):
         """Build the server environment and the global model (idempotent)."""
         if self.env is not None:
             return
-        nodes = self.wait_for_nodes(grid) if (grid is not None and self.uses_clients) else []
-        self.num_partitions = len(nodes) or max(self.policy.min_nodes, 1)
+        if grid is not None and self.uses_clients:   # the count the nodes state (strategies.partition_count)
+            self.num_partitions = settle_partitions(self, grid)
+        else:
+            self.num_partitions = max(self.policy.min_nodes, 1)
         self.env = self.make_env()
         self.model = self.env.build_model()
         self.setup_algorithm()
 
     def make_env(self) -> Env:
         """The server's Env: the user's model and data (``model=...``), else the library's
-        dataset named by the task config, partitioned over the nodes seen."""
+        dataset named by the task config, partitioned over the nodes' ``num-partitions``."""
         if self.user is not None:
             u = self.user
             return user_env(self.task, u["model"], u["data"], num_classes=u["num_classes"],
@@ -205,16 +213,9 @@ class BaseStrategy(Strategy):
         """Hook for subclasses: extra server-side models, optimizers, queues."""
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
-        deadline = time.time() + self.policy.wait_for_nodes
-        while True:
-            nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= self.policy.min_nodes:
-                return nodes
-            if time.time() > deadline:
-                raise RuntimeError(
-                    f"only {len(nodes)} node(s) connected after {self.policy.wait_for_nodes:.0f} s; "
-                    f"min-nodes={self.policy.min_nodes}. Start more SuperNodes or lower min-nodes.")
-            time.sleep(0.2)
+        """The connected nodes once ``min-nodes`` are (``wait-for-nodes`` seconds, else a ``ConfigError``)."""
+        return wait_for(self, grid, self.policy.min_nodes, self.timer.now() + self.policy.wait_for_nodes,
+                        f"min-nodes={self.policy.min_nodes} asks for")
 
     # ------------------------------------------------------------------ messaging
     def sample_nodes(self, grid: Grid, server_round: int) -> list[int]:
@@ -260,17 +261,13 @@ class BaseStrategy(Strategy):
             return [n for n in nodes if n in self.directory]
         self._asked.update(todo)
         msgs = [query(self.base_content(0, action=NODE_INFO), n, NODE_INFO) for n in todo]
-        pending = set(grid.push_messages(msgs))
-        deadline = time.time() + min(self.policy.round_timeout, 120.0)
-        while pending and time.time() < deadline:
-            for r in grid.pull_messages(list(pending)):
-                pending.discard(r.metadata.reply_to_message_id)
-                if r.has_error() or CONFIG_KEY not in r.content.config_records:
-                    continue  # sampled after the nodes that answered
+
+        def note(r: Message) -> None:
+            if CONFIG_KEY in r.content.config_records:   # (else sampled after the nodes that answered)
                 info = r.content.config_records[CONFIG_KEY]
                 self.note_partition(r.metadata.src_node_id, info["partition-id"], info["num-partitions"])
-            if pending:
-                time.sleep(poll)
+
+        self._exchange(grid, msgs, note, min(self.policy.round_timeout, 120.0), poll, optional=True)
         return [n for n in nodes if n in self.directory]
 
     def note_partition(self, node: int, partition_id: Any, num_partitions: Any = 0) -> None:
@@ -332,9 +329,10 @@ class BaseStrategy(Strategy):
                       timeout: float | None = None, poll: float = 0.01) -> int:
         """Send ``messages`` with at most :meth:`in_flight` of them out at once (refilled as replies
         come back) and hand each good reply to ``fold`` as it arrives, then let it go; returns how
-        many were folded. Until ``timeout`` (default ``round-timeout``) for the whole exchange: an
-        error reply, a node that has not replied by then, and a message not yet sent by then
-        drop their node from the round (logged, ``dropped``)."""
+        many were folded. An error reply, and a node that has not replied ``timeout`` (default
+        ``round-timeout``) seconds after its instruction was sent (plus ``startup-timeout`` for
+        its first instruction of the run: :mod:`strategies.deadlines`), drop their node from the
+        round (logged, ``dropped``); an instruction waiting for a free slot is not late."""
         timeout = self.policy.round_timeout if timeout is None else timeout
         messages = list(messages)
         if not messages:
@@ -399,52 +397,57 @@ class BaseStrategy(Strategy):
         return int(entry["partition"]) if entry is not None else int(node)
 
     def _exchange(self, grid: Grid, messages: list[Message], fold: Callable[[Message], None], timeout: float,
-                  poll: float) -> int:
+                  poll: float, optional: bool = False) -> int:
+        """:meth:`exchange_fold`'s loop; ``optional``: a query whose answer a node may not give (a node
+        that fails it is not dropped)."""
         window = self.in_flight(grid, len(messages))
         queue = iter(messages)
         unsent = len(messages)
-        by_id: dict[str, int] = {}
+        out = ReplyDeadlines(timeout, self.policy.startup_timeout, self.warm_nodes, self.timer)
         folded = answered = 0
-        start = last = time.time()
-        deadline = start + timeout
-        while (by_id or unsent) and time.time() < deadline:
+        start = last = self.timer.now()
+        self.guard.begin_exchange()
+        while len(out) or unsent:
+            for node, allowed in out.expired():   # each instruction's own clock (strategies.deadlines)
+                if optional:
+                    continue
+                first = " (its first: round-timeout + startup-timeout)" if allowed > timeout else ""
+                self.drop(node, f"no reply within {allowed:.0f} s of its instruction{first}")
+                if self.clock is not None:
+                    self.clock.missing(self.node_key(node))
             if unsent and answered:
-                window = self.in_flight(grid, len(messages), answered / max(time.time() - start, 1e-6))
-            if unsent and len(by_id) < window:
-                batch = [m for _, m in zip(range(min(window - len(by_id), unsent)), queue)]
+                window = self.in_flight(grid, len(messages), answered / max(self.timer.now() - start, 1e-6))
+            if unsent and len(out) < window:
+                batch = [m for _, m in zip(range(min(window - len(out), unsent)), queue)]
                 unsent -= len(batch)
                 for mid, m in zip(grid.push_messages(batch), batch):
-                    by_id[mid] = m.metadata.dst_node_id
+                    out.sent(mid, m.metadata.dst_node_id)
                     self.count_bytes(m, "down")
             arrived = False
-            for r in grid.pull_messages(list(by_id)):
+            for r in grid.pull_messages(out.ids()):
                 rid = r.metadata.reply_to_message_id
-                if rid not in by_id:
+                if rid not in out:
                     continue
                 arrived = True
                 answered += 1
-                node = by_id.pop(rid)
+                node = out.answered(rid)
                 if r.has_error():
-                    self.drop(node, f"error {r.error.code}: {describe_error(r.error.reason or '')}")
-                else:
-                    self.count_bytes(r, "up")
-                    self.note_work(r)
-                    fold(r)
-                    folded += 1
-            now = time.time()
+                    if not optional:
+                        self.drop(node, f"error {r.error.code}: {describe_error(r.error.reason or '')}")
+                    continue
+                self.count_bytes(r, "up")
+                self.note_work(r)
+                refused = self.guard.refused_upload(r)
+                if refused is not None:
+                    self.drop(node, refused)
+                    continue
+                fold(r)
+                folded += 1
+            now = self.timer.now()
             if arrived:
                 last = now
-            elif by_id or unsent:
-                time.sleep(self.poll_interval(now - last, poll))
-        for node in by_id.values():
-            self.drop(node, f"no reply within {timeout:.0f} s")
-            if self.clock is not None:
-                self.clock.missing(self.node_key(node))
-        for m in queue:
-            self.drop(m.metadata.dst_node_id, f"not sent: the exchange's {timeout:.0f} s ran out with "
-                                              f"{window} instruction(s) still out (max-in-flight)")
-            if self.clock is not None:
-                self.clock.missing(self.node_key(m.metadata.dst_node_id))
+            elif len(out) or unsent:
+                self.timer.sleep(self.poll_interval(now - last, poll))
         return folded
 
     def note_work(self, reply: Message) -> None:
@@ -683,6 +686,7 @@ class BaseStrategy(Strategy):
         for rnd in range(start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
+            before = self.state_dict()   # a diverged round is rolled back to it (strategies.round_guard)
             if self.clock is None:
                 metrics = self.run_round(rnd, grid)
             else:
@@ -690,9 +694,13 @@ class BaseStrategy(Strategy):
                 with self.clock.server_work():
                     metrics = self.run_round(rnd, grid)
                 metrics.update(self.clock.end_round())
+            self.guard.check(rnd, metrics, before, "train-loss")
             metrics.update(self.meter.flush())
             metrics["dropped"] = sorted(set(self.dropped))
             ev = server_eval(rnd)
+            if "loss" in ev and self.guard.check(rnd, {**metrics, "loss": ev["loss"]}, before, "loss"):
+                metrics.update(diverged=1, skipped=1)
+                ev = server_eval(rnd)   # the model from before the round
             metrics.update(ev)
             metrics["round-seconds"] = time.time() - t0
             result.train_metrics_clientapp[rnd] = MetricRecord(_metric_safe(metrics))

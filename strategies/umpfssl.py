@@ -536,7 +536,9 @@ def _spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: 
     return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
                          strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
                          overrides={"mode": mode}, client=dict(client), description=desc, node_state=node_state,
-                         label_metrics=("pseudo-label-accuracy",))   # (from the node's hidden labels)
+                         # from the node's labels: its hidden labels (pseudo-label accuracy), its labeled
+                         # set's (corr-self, the Corr score of its own model, Eq. of the paper's helper score)
+                         label_metrics=("pseudo-label-accuracy", "corr-self"))
 
 
 ALGORITHMS = bind({

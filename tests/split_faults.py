@@ -62,3 +62,34 @@ def fail_at(monkeypatch, partition: int, step: int, handler: Callable[..., Any] 
     """:class:`FailAt` for a test in this process, its wrapper installed through ``monkeypatch``."""
     monkeypatch.setattr(SplitWorker, "apply_gradients", _failing_apply_gradients)
     return FailAt(partition, step, handler)
+
+
+class ScaleUploads:
+    """A ClientApp handler: ``handler`` (default: the library's dispatch), except that the node of
+    ``partition`` multiplies what it uploads by ``factor``: the float streams of its split replies
+    (activations; record ``split-tensors``), or, with ``record='arrays'``, its full-model train
+    upload. The node is authenticated and its payloads are well formed: only their values lie."""
+
+    def __init__(self, partition: int, factor: float, handler: Callable[..., Any] | None = None,
+                 record: str = "split-tensors") -> None:
+        self.partition, self.factor, self.handler, self.record = int(partition), float(factor), handler, record
+
+    def __call__(self, msg, context):
+        import numpy as np
+
+        from split_layer.records import numpy_to_record, record_to_numpy
+
+        if self.handler is None:
+            from flower_apps.client_app import dispatch as handler
+        else:
+            handler = self.handler
+        out = handler(msg, context)
+        if int(context.node_config["partition-id"]) != self.partition or out.has_error():
+            return out
+        recs = out.content.array_records
+        if self.record in recs and msg.metadata.message_type in ("train", "query.split"):
+            arrays = record_to_numpy(recs[self.record])
+            recs[self.record] = numpy_to_record(
+                {k: (v * np.asarray(self.factor, v.dtype) if np.issubdtype(v.dtype, np.floating) else v)
+                 for k, v in arrays.items()})
+        return out

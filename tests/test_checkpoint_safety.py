@@ -110,3 +110,55 @@ def test_a_results_file_that_is_a_symbolic_link_is_refused(tmp_path, resume):
     with pytest.raises(OSError):   # and a link planted after the start is not followed either
         f.append_metrics(2, {"accuracy": 0.6})
     assert target.read_text() == "keep me\n"
+
+
+def test_a_run_folder_swapped_for_a_link_mid_run_does_not_redirect_writes(tmp_path):
+    """After round 1 the run folder is moved away and a link to another folder put in its place:
+    rounds 2-3's metrics, the checkpoint, the model and the plot still land in the folder the run
+    opened (now at its new path); the link's target gets nothing."""
+    f = _folder(tmp_path, {"w": torch.zeros(2)})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    moved = tmp_path / "moved"
+    f.path.rename(moved)
+    f.path.symlink_to(elsewhere, target_is_directory=True)
+    for rnd in (2, 3):
+        f.append_metrics(rnd, {"accuracy": 0.5 + rnd / 10})
+        f.save_checkpoint(rnd, {"w": torch.full((2,), float(rnd))})
+    f.save_model({"w": torch.ones(2)})
+    f.write_json("partition.json", {"R": 1})
+    assert f.plot() is not None
+    assert f.last_checkpoint_round() == 3 and [r["round"] for r in f.metrics()] == [1, 2, 3]
+    f.close()
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(p.name for p in moved.iterdir()) == sorted(
+        ["checkpoint.pt", "config.json", "curves.png", "metrics.jsonl", "model.pt", "partition.json"])
+    assert [json.loads(x)["round"] for x in (moved / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_run_whose_folder_is_swapped_after_round_1_writes_into_the_folder_it_opened(tmp_path, monkeypatch):
+    """The same through the ServerApp's run (in process): the swap happens in round 1's
+    ``on_round_end`` callback chain, right after its checkpoint."""
+    from flower_apps import results
+    from flower_apps.client_app import dispatch
+    from flower_apps.server_app import run
+    from flower_apps.simulate import fused_run_config
+    from split_layer.transport import LocalGrid
+
+    cfg = {**fused_run_config(None), "algo": "fedavg", "model": "mlp", "num-rounds": 3, "local-steps": 1,
+           "device": "cpu", "results-dir": str(tmp_path / "results"), "run-name": "r"}
+    elsewhere, moved = tmp_path / "elsewhere", tmp_path / "moved"
+    elsewhere.mkdir()
+    real = results.RunFolder.save_checkpoint
+
+    def save_then_swap(self, rnd, state):
+        real(self, rnd, state)
+        if rnd == 1:
+            self.path.rename(moved)
+            self.path.symlink_to(elsewhere, target_is_directory=True)
+
+    monkeypatch.setattr(results.RunFolder, "save_checkpoint", save_then_swap)
+    run(LocalGrid(3, dispatch, run_config=cfg), cfg)
+    assert list(elsewhere.iterdir()) == []
+    assert {"metrics.jsonl", "checkpoint.pt", "model.pt", "curves.png"} <= {p.name for p in moved.iterdir()}
+    assert [json.loads(x)["round"] for x in (moved / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -208,7 +208,7 @@ def test_exchange_drops_error_and_missing_replies():
     from strategies.base import BaseStrategy
     from tasks.config import TaskConfig
 
-    s = BaseStrategy(TaskConfig(), None, "fedavg", RoundPolicy(round_timeout=0.3))
+    s = BaseStrategy(TaskConfig(), None, "fedavg", RoundPolicy(round_timeout=0.3, startup_timeout=0.0))
     t0 = time.time()
     good = s.exchange(_Grid(), [_Msg(1), _Msg(2), _Msg(3)])
     assert [r.metadata.reply_to_message_id for r in good] == ["m1"]

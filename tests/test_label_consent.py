@@ -79,3 +79,14 @@ def test_consent_is_the_nodes_own_decision(monkeypatch):
     assert label_consent({LABEL_CONSENT_KEY: True}) and label_consent({LABEL_CONSENT_KEY: "yes"})
     monkeypatch.setenv(LABEL_CONSENT_ENV, "1")   # a simulated node's ClientApp environment
     assert label_consent({}) and not label_consent({LABEL_CONSENT_KEY: False})
+
+
+def test_umpfssl_sends_corr_self_only_with_consent(monkeypatch):
+    """``corr-self`` (the Corr score of a node's own model, from its labeled set's labels) is a
+    declared label metric: withheld without consent, so the round does not report it."""
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
+    assert "corr-self" in get_algorithm("umpfssl").label_metrics
+    rows, keys = one_round("umpfssl")
+    assert "corr-self" not in keys and "corr-self" not in rows[0]
+    rows, keys = one_round("umpfssl", node_config={LABEL_CONSENT_KEY: True})
+    assert "corr-self" in keys and "corr-self" in rows[0]

@@ -48,10 +48,10 @@ def _pushed(grid) -> list[tuple[int, int, str]]:
 @pytest.mark.parametrize("transport", ["message", "stream"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_a_split_node_answers_one_query_in_its_first_round(fraction, transport):
-    """Every node of a split algorithm is asked exactly one query, ``split-info``, in the first
-    round, before any ``split`` message, and never ``node-info`` (its ``split-info`` reply
-    carries the partition id); later rounds ask nothing. With ``fraction-train=0.5`` all nodes
-    answer it (sampling needs every partition id), with 1.0 the sampled ones, which are all."""
+    """Every node of a split algorithm is asked exactly one query, ``split-info``, at the start
+    of the run (its reply states the node's ``num-partitions``, which the server's partition
+    follows: strategies.partition_count), before any ``split`` message, and never ``node-info``
+    (its ``split-info`` reply carries the partition id); the rounds ask nothing more."""
     ids = random.Random(7).sample(range(1, 1 << 40), 6)   # random node ids, as in Flower's simulation
     s, grid, rows = _split_run(fraction, ids, transport=transport)
     assert all(r["dropped"] == [] and not r.get("skipped") for r in rows), rows
@@ -60,7 +60,7 @@ def test_a_split_node_answers_one_query_in_its_first_round(fraction, transport):
     assert per_action["node-info"] == 0
     assert per_action["split-info"] == len(ids)                               # one per node, once in the run
     info = [(r, n) for r, n, a in pushed if a == "split-info"]
-    assert sorted(n for _, n in info) == sorted(ids) and {r for r, _ in info} == {1}
+    assert sorted(n for _, n in info) == sorted(ids) and {r for r, _ in info} == {0}
     first_split = next(i for i, (_, _, a) in enumerate(pushed) if a == "split")
     assert all(i < first_split for i, (_, _, a) in enumerate(pushed) if a == "split-info")
     k = round(fraction * len(ids))
