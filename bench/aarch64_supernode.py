@@ -14,10 +14,15 @@ three nodes on x86-64 (the reference) and once with node 2 on aarch64, and print
   runs with ``PYTHONPROFILEIMPORTTIME=1``, so each ``flwr-clientapp`` process it starts writes
   its import times to the node's log (importing flwr, torch, the ClientApp module); the
   lifetime of every ``flwr-clientapp`` process (start to exit, polled every 0.2 s);
-* the rest of the start-up (dataset, partition plan, model), timed in fresh processes in each
-  environment with ``bench/fixed_cost.py``'s probe;
+* the start-up step by step (import torch, import the ClientApp module, dataset, partition plan,
+  model), timed in fresh processes in each environment (the steps of ``bench/fixed_cost.py``);
 * whether the final weights (``model.pt``) of each algorithm equal the all-x86-64 run's, bit
   for bit, or their largest absolute difference.
+
+The aarch64 node runs on qemu's ``neoverse-n1`` CPU model (``--qemu-cpu``; Armv8.2-A without SVE,
+like a Jetson Orin's Cortex-A78AE). qemu-user's default model, ``max``, gives wrong float32
+matrix products with torch 2.14.1's aarch64 wheel (the bench prints the check), and
+``cortex-a72`` (Armv8.0) stops the wheel with an illegal instruction.
 
 Needs root (binfmt_misc, debootstrap, chroot, mounts), ``apt-get``-able ``qemu-user-static
 debootstrap binfmt-support``, and network access to deb.debian.org and PyPI the first time.
@@ -50,7 +55,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fixed_cost import PROBE  # noqa: E402  (the same probe the x86-64 benchmark uses)
 from tests.deploy_harness import Deployment  # noqa: E402
 from tests.flower_harness import cmdline, descendants  # noqa: E402
 
@@ -94,8 +98,8 @@ class Arm64Root:
     """An arm64 Debian root at ``path``, run through qemu-aarch64 (binfmt_misc), with /proc,
     /sys, /dev and the bench's work folder mounted while in use (``with root.mounted(work):``)."""
 
-    def __init__(self, path: Path, log: Path) -> None:
-        self.path, self.log = path, log
+    def __init__(self, path: Path, log: Path, qemu_cpu: str = "neoverse-n1") -> None:
+        self.path, self.log, self.qemu_cpu = path, log, qemu_cpu
         self.mounts: list[Path] = []
         self.timings: dict[str, float] = {}
 
@@ -192,7 +196,8 @@ class Arm64Root:
     # ------------------------------------------------------------------ running inside
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {"PATH": f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "HOME": "/root", "LANG": "C.UTF-8", "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt", **(extra or {})}
+                "HOME": "/root", "LANG": "C.UTF-8", "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt",
+                "QEMU_CPU": self.qemu_cpu, **(extra or {})}   # qemu-user reads it; children inherit it
 
     def argv(self, *args: str) -> list[str]:
         return ["chroot", str(self.path), *args]
@@ -304,27 +309,33 @@ class MixedDeployment(Deployment):
         return p
 
     def clientapps(self, i: int) -> list[dict[str, Any]]:
-        """Every ClientApp process node ``i`` started, from its log, in seconds: ``pulled``
-        (``Start `flwr-clientapp` process`` to the process's ``Start FAB installation``: Python
-        and flwr up, the message pulled), ``flwr``/``app``/``torch`` (``-X importtime``: the
-        ``flwr-clientapp`` entry point; every top-level import after it, i.e. the ClientApp
-        module with torch and the library and the handler's lazy imports; the first ``import
-        torch``), ``reply`` (process start to the SuperNode's ``Sending: <type> message``) and
-        ``type``. A process's import lines start with ``-X importtime``'s header line."""
+        """Every ClientApp process node ``i`` started, read from its log (seconds): ``flwr``, the
+        ``flwr-clientapp`` entry point's import (``-X importtime``, cumulative); ``pulled``, its
+        ``Start `flwr-clientapp` process`` line (logged once flwr is imported) to its ``Start
+        FAB installation`` (connected, message pulled); ``app``, every top-level import after
+        flwr's (the ClientApp module with torch and the library, and the handler's lazy imports);
+        ``torch``, the first ``import torch`` in it; ``on_node``, the SuperNode's ``Receiving: <type>
+        message`` to its ``Sending: <type> message`` (everything the node did for that message);
+        ``type``; ``token_failed``: Flower refused it (``Runtime task-token authentication
+        failed``: it started later than Flower's 30-s window) and the SuperNode starts another."""
         procs: list[dict[str, Any]] = []
-        stamp = re.compile(r"(?:INFO|DEBUG|WARNING|ERROR)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+        stamp = re.compile(r"(?:INFO|DEBUG|WARNING|ERROR)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+        imp_line = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)\s*$")
         for path in sorted(self.logs.glob(f"supernode{i}*.out")):
             cur: dict[str, Any] | None = None
-            imports: dict[str, float] | None = None
+            imports: dict[str, float] = {}
+            received: float | None = None
             for raw in path.read_text(errors="replace").splitlines():
                 line = re.sub(r"\x1b\[[0-9;]*m", "", raw)
                 if line.startswith("import time: self [us]"):
-                    imports = {}
+                    imports = {}                       # a new Python process starts
                     continue
-                m = re.match(r"import time:\s+\d+ \|\s+(\d+) \|( *)(\S+)\s*$", line)
-                if m and imports is not None:
+                m = imp_line.match(line)
+                if m:
                     sec, top, name = int(m.group(1)) / 1e6, len(m.group(2)) == 1, m.group(3)
                     if top and name == "flwr.supernode.cli":
+                        if "flwr" in imports:              # another process's import lines interleaved
+                            imports = {}
                         imports.update(flwr=sec, app=0.0)
                     elif top and "app" in imports:
                         imports["app"] += sec
@@ -334,25 +345,56 @@ class MixedDeployment(Deployment):
                 t = stamp.search(line)
                 if not t:
                     continue
-                when = time.mktime(time.strptime(t.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(t.group(1)[20:]) / 1e3
-                if "Start `flwr-clientapp` process" in line:
-                    cur = {"start": when}
+                when = time.mktime(time.strptime(t.group(1), "%Y-%m-%d %H:%M:%S")) + int(t.group(2)) / 1e3
+                if (rm := re.search(r"Receiving: (\S+) message", line)):
+                    received = when
+                elif "Start `flwr-clientapp` process" in line:
+                    cur = {"started": when, "received": received, "imports": imports}
                     procs.append(cur)
-                    imports = None
-                elif cur is not None and "Start FAB installation" in line and "pulled" not in cur:
-                    cur["pulled"] = when - cur["start"]
-                    if imports and "flwr" in imports:
-                        cur["imports"] = imports          # the ClientApp's (filled in as it goes on)
-                elif cur is not None and (sm := re.search(r"Sending: (\S+) message", line)) and "reply" not in cur:
-                    cur.update(reply=when - cur["start"], type=sm.group(1))
+                elif cur is None:
+                    continue
+                elif "task-token authentication failed" in line:
+                    cur["token_failed"] = True
+                elif "Start FAB installation" in line and "pulled" not in cur:
+                    cur["pulled"] = when - cur["started"]
+                elif (sm := re.search(r"Sending: (\S+) message", line)) and "type" not in cur:
+                    cur["type"] = sm.group(1)
+                    if cur["received"] is not None:
+                        cur["on_node"] = when - cur["received"]
         for p in procs:
-            p.update({k: v for k, v in p.pop("imports", {}).items()})
+            p.update(p.pop("imports"))
+            p.pop("started", None)
+            p.pop("received", None)
         return procs
 
 
 # ----------------------------------------------------------------------------- measurements
+# what a node's ClientApp process does before its handler computes, step by step (the steps of
+# bench/fixed_cost.py's probe, through split_layer.records.client_env's library_env)
+PROBE = r"""
+import json, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import flower_apps.client_app
+t2 = time.perf_counter()
+from flower_apps.config import parse_run_config
+from flower_apps.simulate import fused_run_config
+from tasks.env import library_env, load_bundle, plan_cached
+task = parse_run_config({**fused_run_config(None), "algo": "fedavg"}).task
+t3 = time.perf_counter()
+load_bundle(task)
+t4 = time.perf_counter()
+plan_cached(task, 3, "all", False)
+t5 = time.perf_counter()
+library_env(task, 3, "all", partition_id=2).build_model()
+t6 = time.perf_counter()
+print(json.dumps({"torch": t1 - t0, "app": t2 - t1, "data": t4 - t3, "plan": t5 - t4, "model": t6 - t5}))
+"""
+
+
 def probe(argv: list[str], env: dict[str, str], reps: int) -> dict[str, float]:
-    """Median seconds of bench/fixed_cost.py's probe over ``reps`` fresh processes (dataset
+    """Median seconds of :data:`PROBE`'s steps over ``reps`` fresh processes (dataset
     cache warm: the first process fills it and is not counted)."""
     runs = []
     for _ in range(reps + 1):
@@ -408,31 +450,35 @@ def run_deployment(work: Path, root: Arm64Root | None, arm: tuple[int, ...], lab
     return out
 
 
-def report(ref: dict[str, Any], mixed: dict[str, Any], probes: dict[str, dict[str, float]]) -> dict[str, Any]:
-    say("\n== ClientApp start-up per message, inside the runs (every flwr-clientapp process of fedavg and scala; "
-        "medians, s) ==")
-    say(f"{'run, node':30s} {'procs':>5s} {'pulled':>7s} {'torch':>7s} {'library':>7s} {'start-up':>8s} "
-        f"{'train reply':>11s}")
+def report(ref: dict[str, Any], mixed: dict[str, Any], probes: dict[str, dict[str, float]], reps: int) -> dict[str, Any]:
+    say("\n== ClientApp start-up per message, inside the runs (every flwr-clientapp process of the fedavg and "
+        "scala runs; medians, s) ==")
+    say(f"{'run, node':30s} {'procs':>5s} {'refused':>7s} {'flwr':>6s} {'pulled':>6s} {'torch':>6s} {'library':>7s} "
+        f"{'start-up':>8s} {'train msg':>9s}")
     summary: dict[str, Any] = {}
     for label, res in (("all x86-64", ref), ("mixed", mixed)):
         for i in range(3):
             arch = "aarch64 (qemu)" if label == "mixed" and i == 2 else "x86-64"
-            procs = [p for p in res["clientapps"][i] if "torch" in p and "pulled" in p]
-            pulled, torch_ = [p["pulled"] for p in procs], [p["torch"] for p in procs]
-            lib = [p["app"] - p["torch"] for p in procs]
-            start = [p["pulled"] + p["app"] for p in procs]
-            train = [p["reply"] for p in procs if p.get("type") == "train"]
-            say(f"{label + ', node ' + str(i) + ' ' + arch:30s} {len(procs):5d} {med(pulled)} {med(torch_)} {med(lib)} "
-                f"{med(start):>8s} {med(train):>11s}")
-            summary[f"{label}/node{i}"] = {"arch": arch, "procs": len(procs), "pulled": pulled, "torch": torch_,
-                                           "library": lib, "start-up": start, "train-reply": train}
-        say(f"  (load average during the {label} runs: {', '.join(f'{x:.1f}' for x in res['load'])} "
+            allp = res["clientapps"][i]
+            procs = [p for p in allp if "pulled" in p and "torch" in p and "flwr" in p]
+            refused = sum(1 for p in allp if p.get("token_failed"))
+            col = {k: [p[k] for p in procs] for k in ("flwr", "pulled", "torch")}
+            col["library"] = [p["app"] - p["torch"] for p in procs]
+            col["start-up"] = [p["flwr"] + p["pulled"] + p["app"] for p in procs]
+            col["train msg"] = [p["on_node"] for p in procs if p.get("type") == "train" and "on_node" in p]
+            say(f"{label + ', node ' + str(i) + ' ' + arch:30s} {len(procs):5d} {refused:7d} {med(col['flwr'])[1:]} "
+                f"{med(col['pulled'])[1:]} {med(col['torch'])[1:]} {med(col['library'])} {med(col['start-up']):>8s} "
+                f"{med(col['train msg']):>9s}")
+            summary[f"{label}/node{i}"] = {"arch": arch, "procs": len(procs), "refused": refused, **col}
+        say(f"  (load average at the end of the {label} runs: {', '.join(f'{x:.1f}' for x in res['load'])} "
             f"on {os.cpu_count()} CPUs)")
-    say("  pulled: process start to the message pulled (Python and flwr's runtime up); torch: `import torch`; "
-        "library: the ClientApp module and the handler's lazy imports, torch excluded; start-up: pulled + "
-        "torch + library; train reply: process start to the SuperNode sending a fedavg train reply "
-        "(start-up, dataset, model and 3 local steps).")
-    say("\n== The rest of the start-up: bench/fixed_cost.py's probe in fresh processes (medians, s; data cache warm) ==")
+    say("  procs: ClientApp processes that ran (one per message; scala's stream session is one); refused: "
+        "processes Flower refused because they started after its 30-s task-token window (the node starts "
+        "another); flwr: importing flwr-clientapp's entry point; pulled: connecting and pulling the message; "
+        "torch: `import torch`; library: the ClientApp module and the handler's lazy imports, torch excluded; "
+        "start-up: flwr + pulled + torch + library; train msg: a fedavg train message on the node, "
+        "received to reply sent (start-up, dataset, model, 3 local steps).")
+    say(f"\n== The start-up step by step, in fresh processes outside Flower (medians of {reps}, s; data cache warm) ==")
     say(f"{'environment':22s} {'import torch':>12s} {'import app':>10s} {'dataset':>8s} {'plan':>6s} {'model':>6s} {'total':>6s}")
     for name, p in probes.items():
         say(f"{name:22s} {p['torch']:12.3f} {p['app']:10.3f} {p['data']:8.3f} {p['plan']:6.3f} {p['model']:6.3f} "
@@ -446,6 +492,15 @@ def report(ref: dict[str, Any], mixed: dict[str, Any], probes: dict[str, dict[st
             f" | weights {'bit-identical' if same else f'differ: max |diff| {diff:.3e} in {n} tensor(s)'}")
         summary[f"weights/{name}"] = {"identical": same, "max_abs_diff": diff, "tensors_differing": n}
     return summary
+
+
+# a small matrix product against float64: the classifier head's shape (32 x 512 by 512 x 10)
+MATMUL_CHECK = r"""
+import torch
+torch.manual_seed(0)
+x, w = torch.randn(32, 512), torch.randn(10, 512) * 0.04
+print(f"{(x @ w.T).double().sub(x.double() @ w.double().T).abs().max().item():.2e}")
+"""
 
 
 # ----------------------------------------------------------------------------- main
@@ -470,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch", default="2.14.1", help="torch version for the aarch64 node (PyPI's aarch64 wheel)")
     ap.add_argument("--torchvision", default="0.29.1")
     ap.add_argument("--probe-reps", type=int, default=2, help="fresh processes per probe (after one warm-up)")
+    ap.add_argument("--qemu-cpu", default="neoverse-n1",
+                    help="qemu's CPU model for the aarch64 node (QEMU_CPU). neoverse-n1: Armv8.2-A without SVE, "
+                         "like a Jetson Orin's Cortex-A78AE. qemu-user's default, max, gives wrong float32 "
+                         "matrix products with this torch (see the check the bench prints)")
     ap.add_argument("--out", default="", help="work folder (default: a new temp folder)")
     ap.add_argument("--setup-only", action="store_true", help="build and install the root, then stop")
     args = ap.parse_args(argv)
@@ -479,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.out or tempfile.mkdtemp(prefix="aarch64-supernode-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    root = Arm64Root(Path(args.root), work / "arm64-root.log")
+    root = Arm64Root(Path(args.root), work / "arm64-root.log", args.qemu_cpu)
     root.ensure_emulation()
     root.ensure_built()
     say("arm64 root: " + root.output("uname -m; /usr/bin/python3 --version").replace("\n", ", "))
@@ -491,10 +550,17 @@ def main(argv: list[str] | None = None) -> int:
         arm = subprocess.run(root.argv(f"{VENV}/bin/python", "-c", VERSIONS), env=root.env(), capture_output=True,
                              text=True, timeout=1800)
         host = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True, timeout=600)
-        say(f"aarch64 node environment: {(arm.stdout + arm.stderr).strip()}")
+        say(f"aarch64 node environment: {(arm.stdout + arm.stderr).strip()} (QEMU_CPU={root.qemu_cpu})")
         say(f"x86-64 environment:       {(host.stdout + host.stderr).strip()}")
         for k, v in root.timings.items():
             say(f"  {k}: {v:.0f} s")
+        say("float32 (32x512)@(512x10) against float64, max |error|:")
+        host = subprocess.run([sys.executable, "-c", MATMUL_CHECK], capture_output=True, text=True, timeout=600)
+        say(f"  x86-64: {(host.stdout + host.stderr).strip()}")
+        for cpu in dict.fromkeys([root.qemu_cpu, "max"]):   # max: qemu-user's default CPU model
+            res = subprocess.run(root.argv(f"{VENV}/bin/python", "-c", MATMUL_CHECK), env={**root.env(), "QEMU_CPU": cpu},
+                                 capture_output=True, text=True, timeout=1800)
+            say(f"  aarch64, QEMU_CPU={cpu}: {(res.stdout + res.stderr).strip()[-300:]}")
         if args.setup_only:
             return 0
         say("\naarch64 install commands that ran: " + " && ".join(cmds))
@@ -507,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         ref = run_deployment(work / "all-x86", None, (), "all x86-64")
         mixed = run_deployment(work / "mixed", root, (2,), "mixed")
-        summary = report(ref, mixed, probes)
+        summary = report(ref, mixed, probes, args.probe_reps)
         (work / "aarch64_supernode.json").write_text(json.dumps(
             {"probes": probes, "ref": ref, "mixed": mixed, "summary": summary}, indent=1, default=str))
     finally:
