@@ -54,11 +54,11 @@ class RoundPolicy:
     upload_norm_bound: float = knob(0.0, lo=0.0, help="largest L2 distance of an uploaded model (or a split node's "
                                                       "final bottom) from the model the server holds; a larger upload "
                                                       "is refused and its node dropped from the round (0 = off)")
-    loss_bound: float = knob(100.0, lo=0.0, help="a round whose train-loss (or its model's test loss) is not finite, "
-                                                 "or more than this many times max(ln(classes), that loss's median over "
-                                                 "the run's earlier rounds), is not applied (the strategy's state is "
-                                                 "rolled back) and is reported as diverged (0 = refuse non-finite "
-                                                 "losses only)")
+    loss_bound: float = knob(10000.0, lo=0.0, help="a round whose model's test loss or whose train-loss is not finite, "
+                                                   "or more than this many times max(ln(classes), that loss's median over "
+                                                   "the run's earlier rounds), is not applied (the strategy's state is "
+                                                   "rolled back) and is reported as diverged (0 = refuse non-finite "
+                                                   "losses only); a divergence detector, not a quality filter")
     max_in_flight: int = knob(0, lo=0, help="most instructions of a round out at once, refilled as replies come "
                                             "back and each reply folded into the aggregate as it arrives (0 = auto: "
                                             "in the simulation engine, where the ClientApps share this machine's CPUs, "

@@ -4,10 +4,11 @@
   model the server holds when the reply arrives is refused and its node dropped from the round
   (off by default: algorithms whose nodes train far from the global model, e.g. personalised
   ones, need a bound of their own scale).
-* A round whose ``train-loss``, or whose global model's test loss (``loss``, where the server
-  evaluates), is not finite or more than ``loss-bound`` times ``max(ln C, the median of that
-  loss over the run's earlier applied rounds)`` (``ln C``: the cross-entropy of a uniform
-  guess over ``C`` classes) diverged: the strategy's state is
+* A round whose global model's test loss (``loss``, where the server evaluates) or whose
+  ``train-loss`` is not finite, or more than ``loss-bound`` times ``max(ln C, that loss's median
+  over the run's earlier applied rounds)`` (``ln C``: the cross-entropy of a uniform guess over
+  ``C`` classes; a ``train-loss``, whose scale is the algorithm's own, only once the run has
+  one), diverged: the strategy's state is
   rolled back to the start of the round (its :meth:`~strategies.base.BaseStrategy.state_dict`,
   the state a checkpoint holds), the round is reported as ``diverged`` and ``skipped`` with a
   logged warning, and the result the run saves is the model from before it. State a node keeps
@@ -59,13 +60,17 @@ class RoundGuard:
 
     # ------------------------------------------------------------------ divergence
     def bound(self, key: str) -> float:
-        """The largest value of metric ``key`` a round may report (``inf`` with ``loss-bound=0``)."""
+        """The largest value of metric ``key`` a round may report (``inf`` with ``loss-bound=0``).
+        The test loss is a cross-entropy, held to ``ln C`` from the first round; an algorithm's
+        ``train-loss`` may have a scale of its own (regularisers, several terms), so it has no
+        bound before the run's first applied round. A divergence detector, not a quality filter:
+        an honest round's test loss was measured up to 71 ln C (FedMatch, a user's small model,
+        ``tests/test_api.py``), hence the default ``loss-bound`` of 10,000."""
         factor = self.strategy.policy.loss_bound
-        if factor <= 0:
-            return math.inf
-        env = self.strategy.env
-        chance = math.log(max(int(getattr(env, "num_classes", 2) or 2), 2))
         seen = self.losses.get(key, [])
+        if factor <= 0 or (key != "loss" and not seen):
+            return math.inf
+        chance = math.log(max(int(getattr(self.strategy.env, "num_classes", 2) or 2), 2))
         return factor * max(chance, float(np.median(seen)) if seen else 0.0)
 
     def check(self, server_round: int, metrics: dict[str, Any], before: dict[str, Any], key: str) -> bool:

@@ -200,20 +200,38 @@ def test_simulate_cli_reports_and_exits_2(capsys):
 
 
 class CountingGrid:
-    """A Grid stand-in that reports ``n`` connected nodes and counts pushed messages."""
+    """A Grid stand-in with ``n`` connected nodes that answer the one query a run asks before it
+    trains (``node-info``, or a split node's ``split-info``: their partition and
+    ``num-partitions``, strategies.partition_count) and
+    count every other message pushed (none may be: training would have started)."""
 
     def __init__(self, n: int) -> None:
+        from split_layer.transport import LocalGrid
+
         self.n, self.pushed = n, 0
+        self.nodes = LocalGrid(n, _node_info_only)
 
     def get_node_ids(self):
-        return list(range(1, self.n + 1))
+        return self.nodes.get_node_ids()
 
     def push_messages(self, msgs):
-        self.pushed += len(list(msgs))
-        raise AssertionError("a message was sent: training started")
+        msgs = list(msgs)
+        if any(m.metadata.message_type not in ("query.node_info", "query.split_info") for m in msgs):
+            self.pushed += len(msgs)
+            raise AssertionError("a message was sent: training started")
+        return self.nodes.push_messages(msgs)
 
     def pull_messages(self, ids):
-        return []
+        return self.nodes.pull_messages(ids)
+
+
+def _node_info_only(msg, context):
+    from flower_apps.client_app import dispatch
+    from split_layer.records import action_of
+
+    if action_of(msg) not in ("node-info", "split-info"):
+        raise AssertionError(f"only the partition query is answered, not {action_of(msg)}")
+    return dispatch(msg, context)
 
 
 @pytest.mark.parametrize("override, nodes, needle", [

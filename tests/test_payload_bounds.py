@@ -84,32 +84,44 @@ def test_a_full_model_upload_beyond_the_norm_bound_is_dropped():
 
 
 class _ReportsLoss:
-    """The library's node, except that the node of partition 0 reports ``loss`` as its train-loss."""
+    """The library's node, except that the node of partition 0 reports ``loss`` as its train-loss
+    from round ``since`` on."""
 
-    def __init__(self, loss: float) -> None:
-        self.loss = loss
+    def __init__(self, loss: float, since: int) -> None:
+        self.loss, self.since = loss, since
 
     def __call__(self, msg, context):
         out = dispatch(msg, context)
-        if msg.metadata.message_type == "train" and context.node_config["partition-id"] == 0:
+        rnd = int(msg.content.config_records["config"]["server-round"])
+        if msg.metadata.message_type == "train" and context.node_config["partition-id"] == 0 and rnd >= self.since:
             out.content.metric_records[METRICS_KEY]["train-loss"] = self.loss
         return out
 
 
-@pytest.mark.parametrize("loss", [float("inf"), 1e13])
-def test_a_round_whose_loss_diverges_is_not_applied_and_is_reported(loss, caplog):
+@pytest.mark.parametrize("loss, since", [(float("inf"), 1), (1e13, 2)])
+def test_a_round_whose_loss_diverges_is_not_applied_and_is_reported(loss, since, caplog):
+    """A non-finite train-loss from round 1; a finite one beyond loss-bound x the run's median
+    once the run has one (round 2): the round is rolled back to the model of its start."""
     cfg = config("fedavg")
     p = parse_run_config(cfg)
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60))
-    s.setup(LocalGrid(NODES, dispatch, run_config=cfg))
-    start = {k: v.clone() for k, v in s.model.state_dict().items()}
+    grid = LocalGrid(NODES, _ReportsLoss(loss, since), run_config=cfg)
+    starts: list[dict] = []
     rows: list[dict] = []
+
+    def on_end(r, m):
+        rows.append(dict(m))
+        starts.append({k: v.clone() for k, v in s.model.state_dict().items()})
+
+    s.setup(grid)
+    starts.append({k: v.clone() for k, v in s.model.state_dict().items()})
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        s.start(LocalGrid(NODES, _ReportsLoss(loss), run_config=cfg), num_rounds=1,
-                on_round_end=lambda r, m: rows.append(dict(m)))
-    assert rows[0]["diverged"] == 1 and rows[0]["skipped"] == 1 and s.guard.diverged == [1]
-    assert all(np.array_equal(start[k].numpy(), v.numpy()) for k, v in s.model.state_dict().items())
-    assert "round 1 diverged (train-loss" in caplog.text and "not applied" in caplog.text
+        s.start(grid, num_rounds=since, on_round_end=on_end)
+    last = rows[-1]
+    assert last["diverged"] == 1 and last["skipped"] == 1 and s.guard.diverged == [since]
+    assert all(not r.get("diverged") for r in rows[:-1])
+    assert all(np.array_equal(starts[-2][k].numpy(), v.numpy()) for k, v in s.model.state_dict().items())
+    assert f"round {since} diverged (train-loss" in caplog.text and "not applied" in caplog.text
 
 
 def test_a_diverged_test_loss_is_rolled_back_too():
