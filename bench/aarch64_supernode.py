@@ -56,7 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.deploy_harness import Deployment  # noqa: E402
-from tests.flower_harness import cmdline, descendants  # noqa: E402
 
 SUITE = "bookworm"                      # Debian 12: Python 3.11, as flwr 1.42 requires
 MIRROR = "http://deb.debian.org/debian"
@@ -346,7 +345,7 @@ class MixedDeployment(Deployment):
                 if not t:
                     continue
                 when = time.mktime(time.strptime(t.group(1), "%Y-%m-%d %H:%M:%S")) + int(t.group(2)) / 1e3
-                if (rm := re.search(r"Receiving: (\S+) message", line)):
+                if re.search(r"Receiving: \S+ message", line):
                     received = when
                 elif "Start `flwr-clientapp` process" in line:
                     cur = {"started": when, "received": received, "imports": imports}
