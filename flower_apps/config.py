@@ -82,7 +82,7 @@ class AppConfig:
             raise ConfigError(f"algo={self.algo!r} is not one of: {', '.join(algorithm_names())}")
         if self.resume and not self.run_name:
             raise ConfigError("resume=true needs run-name='<the run folder to continue>'")
-        if self.split_transport == "stream":  # the stream's own rules (one place: StreamOptions)
+        if self.split_transport in ("stream", "auto"):  # the stream's own rules (one place: StreamOptions)
             try:
                 self.stream_options()
             except ValueError as e:
@@ -134,7 +134,7 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
         if any(k.startswith(ns + ".") for k in flat):
             parse_dataclass(spec.config_cls, flat, ns)
     spec = get_algorithm(app.algo)
-    if app.split_transport != "message":
+    if app.split_transport == "stream":
         from strategies.base import SplitStrategy
 
         if not issubclass(spec.strategy_cls, SplitStrategy):

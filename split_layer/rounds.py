@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from tasks.config import ConfigError, TaskConfig, knob
 from tasks.env import Env
 
-from .transport import TRANSPORTS
+from .transport import TRANSPORT_CHOICES
 
 
 @dataclass
@@ -54,8 +54,8 @@ class RoundPolicy:
     upload_norm_bound: float = knob(0.0, lo=0.0, help="largest L2 distance of an uploaded model (or a split node's "
                                                       "final bottom) from the model the server holds; a larger upload "
                                                       "is refused and its node dropped from the round (0 = off)")
-    loss_bound: float = knob(10000.0, lo=0.0, help="a round whose model's test loss or whose train-loss is not finite, "
-                                                   "or more than this many times max(ln(classes), that loss's median over "
+    loss_bound: float = knob(10000.0, lo=0.0, help="a round whose model's test loss is NaN or infinite, whose train-loss is infinite, "
+                                                   "or either more than this many times max(ln(classes), its median over "
                                                    "the run's earlier rounds), is not applied (the strategy's state is "
                                                    "rolled back) and is reported as diverged (0 = refuse non-finite "
                                                    "losses only); a divergence detector, not a quality filter")
@@ -64,10 +64,12 @@ class RoundPolicy:
                                             "in the simulation engine, where the ClientApps share this machine's CPUs, "
                                             "twice its CPUs or a quarter second of replies, whichever is more; every "
                                             "sampled node at once in a deployment)")
-    split_transport: str = knob("message", choices=TRANSPORTS,
-                                help="split algorithms only: per-iteration exchanges over Flower messages, or over a "
-                                     "gRPC stream the ServerApp hosts (one Flower message starts a node's session, "
-                                     "which spans the run or one round: split-stream-session); see docs/split.md")
+    split_transport: str = knob("auto", choices=TRANSPORT_CHOICES,
+                                help="split algorithms: per-iteration exchanges over Flower messages, or over a gRPC "
+                                     "stream the ServerApp hosts (one Flower message starts a node's session, which "
+                                     "spans the run or one round: split-stream-session); auto = the stream in Flower's "
+                                     "simulation engine when it runs a round's sampled ClientApps at once and no "
+                                     "system is set, else messages (a deployment); see docs/split.md")
     stream: Any = None                 # split_layer.stream.StreamOptions for "stream" (None = defaults)
     system: str = knob("none", help="the simulated system whose clock times every round (sim-seconds in the "
                                     "metrics): none, a preset (semisfl, scala) or the path of a .toml file; "

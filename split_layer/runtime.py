@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from logging import WARNING
+from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
@@ -78,7 +78,7 @@ from .cut import (
 )
 from .bounds import StreamBounds, update_norm
 from .rounds import NodeDirectory, array_bytes
-from .transport import TRANSPORTS, Envelope, FlowerTransport, Transport
+from .transport import TRANSPORT_CHOICES, Envelope, FlowerTransport, Transport
 from .validation import SplitValidationError, TensorSpec, check_streams
 
 __all__ = ["SplitRuntime"]
@@ -118,15 +118,40 @@ class SplitRuntime:
         raise NotImplementedError
 
     def make_transport(self, grid: Grid) -> Transport:
-        """``policy.split_transport``: Flower messages (default) or the gRPC stream (issue 9)."""
-        if self.policy.split_transport == "stream":
+        """``policy.split_transport``: Flower messages, the gRPC stream, or ``auto``
+        (:meth:`chosen_transport`)."""
+        if self.chosen_transport(grid) == "stream":
             from .stream import StreamOptions, StreamTransport
 
             opts = dataclasses.replace(self.policy.stream or StreamOptions(), timeout=self.policy.round_timeout)
             return StreamTransport(self, grid, opts)
-        if self.policy.split_transport not in TRANSPORTS:
-            raise ValueError(f"split-transport={self.policy.split_transport!r} is not one of: {', '.join(TRANSPORTS)}")
         return FlowerTransport(self, grid)
+
+    def chosen_transport(self, grid: Grid) -> str:
+        """The transport ``split-transport`` names; for ``auto``, the stream where the nodes fit it:
+        in Flower's simulation engine (every node on this machine), when every node reports (in its
+        ``split-info`` reply, asked here over Flower messages) that the simulation runs at least a
+        round's sampled ClientApps at once, and no simulated system times the exchanges; Flower
+        messages otherwise (a deployment, whose nodes may not reach the ServerApp's port; too few
+        concurrent ClientApps). Both transports give the same weights."""
+        choice = self.policy.split_transport
+        if choice not in TRANSPORT_CHOICES:
+            raise ValueError(f"split-transport={choice!r} is not one of: {', '.join(TRANSPORT_CHOICES)}")
+        if choice != "auto":
+            return choice
+        from tasks.system import load_system
+
+        if load_system(self.policy.system) is not None:
+            return "message"
+        nodes = self.connected_nodes(grid)
+        self.learn_partitions(grid, nodes)
+        info = [self.directory.get(n, {}) for n in nodes]
+        fit = min((min(int(i.get("sim-actors", 0)), int(i.get("sim-threads", 0))) for i in info), default=0)
+        choice = "stream" if fit >= self.sample_size(len(nodes)) > 0 else "message"
+        log(INFO, "split-transport='auto': %s (%s)", choice,
+            f"a simulation running {fit} ClientApps at once for {self.sample_size(len(nodes))} sampled nodes"
+            if fit else "not a simulation: the nodes may not reach the ServerApp's port")
+        return choice
 
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
         self.round_batch = {n: self.node_batch(n) for n in nodes}

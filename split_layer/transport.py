@@ -34,11 +34,14 @@ from flwr.common.constant import ErrorCode
 from .records import CONFIG_KEY, METRICS_KEY, numpy_to_record, query, record_to_numpy
 
 __all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_from_message", "reply",
-           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY", "TRANSPORTS"]
+           "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY", "TRANSPORTS",
+           "TRANSPORT_CHOICES"]
 
 # the transports a split algorithm's exchanges can take (run-config key ``split-transport``):
 # Flower messages (FlowerTransport) or the gRPC stream (split_layer.stream.StreamTransport)
 TRANSPORTS = ("message", "stream")
+# what the key accepts: a transport, or "auto" (SplitRuntime.chosen_transport picks one per run)
+TRANSPORT_CHOICES = (*TRANSPORTS, "auto")
 
 TENSORS_KEY = "split-tensors"
 ARRAYS_PREFIX = "split-arrays."

@@ -7,9 +7,10 @@ pytestmark = pytest.mark.e2e
 
 
 def test_flwr_run_dot_on_the_embedded_default(tmp_path):
-    """The README's quickstart, `flwr run . --stream`, as a new user types it: no environment
-    variable (the [tool.uv] overrides make the SuperLink's per-run `uv sync` a no-op), Flower's
-    default federation (2 simulated SuperNodes); only the rounds are cut short here."""
+    """The README's quickstart, `flwr run . --stream --federation-config "client-resources-num-cpus=1"`,
+    as a new user types it: no environment variable (the [tool.uv] overrides make the SuperLink's
+    per-run `uv sync` a no-op), Flower's default federation (2 simulated SuperNodes) with both
+    ClientApps at once, so `split-transport='auto'` takes the stream; only the rounds are cut short."""
     env = hermetic_env(tmp_path)
     env.pop("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", None)
     # a private managed SuperLink on free ports, so a user's own local SuperLink is untouched
@@ -17,13 +18,14 @@ def test_flwr_run_dot_on_the_embedded_default(tmp_path):
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
     results = tmp_path / "results"
     try:
-        proc = flwr_cli(["run", ".", "--stream",
+        proc = flwr_cli(["run", ".", "--stream", "--federation-config", "client-resources-num-cpus=1",
                          "--run-config", f"num-rounds=2 semisfl.k-s=5 semisfl.k-u=3 results-dir='{results}' "
                                          f"run-name='cli'"],
                         env=env, timeout=400, cwd=ROOT)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-3000:]
         assert "round 2/2 | acc" in out, out[-3000:]
+        assert "split-transport='auto': stream" in out, out[-3000:]
         # the SuperLink ran its dependency installation, and it installed nothing
         assert "No additional application dependencies needed installation" in out, out[-3000:]
         rows = read_metrics(results / "cli")

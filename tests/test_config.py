@@ -6,7 +6,7 @@ import pytest
 
 from flower_apps.config import STREAM_FIELD, AppConfig, parse_run_config
 from split_layer.stream_options import TLS_MODES, StreamOptions, stream_knobs
-from split_layer.transport import TRANSPORTS
+from split_layer.transport import TRANSPORT_CHOICES
 from strategies.registry import algorithm_names, get_algorithm
 from tasks.config import ConfigError, TaskConfig, to_flat
 from tests.flower_harness import ROOT
@@ -84,7 +84,7 @@ def test_stream_options_are_stated_once():
         assert (mine.default, dict(mine.metadata)) == (f.default, dict(f.metadata)), f.name
         assert flat[StreamOptions.key(f.name)] == f.default, f.name
     assert dict(app_fields["split_stream_tls"].metadata)["choices"] == TLS_MODES
-    assert dict(app_fields["split_transport"].metadata)["choices"] == TRANSPORTS
+    assert dict(app_fields["split_transport"].metadata)["choices"] == TRANSPORT_CHOICES
     cfg = {**flat, "split-stream-port": 7070, "split-stream-tls": "on", "split-stream-session": "round",
            "round-timeout": 42.0}
     assert parse_run_config(cfg).app.stream_options() == StreamOptions(port=7070, tls="on", session="round",
