@@ -37,8 +37,7 @@ import torch
 t1 = time.perf_counter()
 import flower_apps.client_app
 t2 = time.perf_counter()
-from tasks.env import Env, load_bundle, make_augmenter, plan_cached
-from tasks.training import resolve_device
+from tasks.env import library_env, load_bundle, plan_cached
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 task = parse_run_config({**fused_run_config(None), "algo": "fedavg"}).task
@@ -47,7 +46,7 @@ b = load_bundle(task)
 t4 = time.perf_counter()
 plan = plan_cached(task, 3, "all", False)
 t5 = time.perf_counter()
-Env(task, b, plan, resolve_device(task.device), make_augmenter(b), 0, 3).build_model()
+library_env(task, 3, "all", partition_id=0).build_model()   # (bundle and plan cached above)
 t6 = time.perf_counter()
 print(json.dumps({"torch": t1 - t0, "app": t2 - t1, "data": t4 - t3, "plan": t5 - t4, "model": t6 - t5}))
 """
