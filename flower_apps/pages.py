@@ -147,7 +147,7 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
             _table(["table", "method", "paper", "row", "ours: final accuracy", "seeds"], lines)]
     if groups:
         out += ["## Every committed row\n", seed_table(groups)]
-        if paper.reference in by_label:
+        if paper.reference in by_label and len(groups) > 1:
             out.append("\n" + paired_table(groups, paper.reference))
         if any("pseudo-hist" in row for r in runs for row in r.rows):
             out.append("\n" + onset_table(runs))
