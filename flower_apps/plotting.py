@@ -24,8 +24,18 @@ def round_axis(ax, label: str = "round") -> None:
 
 def save(fig, out: Path) -> Path:
     """Write ``fig`` to ``out`` (parents made) and close it."""
-    fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    pyplot().close(fig)
+    out.write_bytes(png(fig))
     return out
+
+
+def png(fig) -> bytes:
+    """``fig`` as PNG bytes, tight at the library's one resolution; the figure is closed (a run
+    folder writes them relative to its open folder, :class:`flower_apps.results.RunFolder`)."""
+    import io
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    pyplot().close(fig)
+    return buf.getvalue()

@@ -286,7 +286,7 @@ class RunFolder:
         rows = self.metrics()
         if not rows:
             return None
-        from flower_apps.plotting import pyplot, round_axis
+        from flower_apps.plotting import png, pyplot, round_axis
 
         rounds = [r["round"] for r in rows]
         fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.6))
@@ -299,9 +299,5 @@ class RunFolder:
                 a2.plot(rounds, [r.get(k, math.nan) for r in rows], label=k)
         round_axis(a2), a2.set_ylabel("loss"), a2.grid(alpha=0.3), a2.legend(fontsize=8)
         fig.suptitle(title or self.path.name)
-        fig.tight_layout()
-        png = io.BytesIO()
-        fig.savefig(png, dpi=110, format="png")
-        pyplot().close(fig)
-        self._write("curves.png", png.getvalue())
+        self._write("curves.png", png(fig))
         return self.path / "curves.png"

@@ -686,7 +686,7 @@ class BaseStrategy(Strategy):
         for rnd in range(start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
-            before = self.state_dict()   # a diverged round is rolled back to it (strategies.round_guard)
+            before = self.guard.snapshot()   # a diverged round is rolled back to it (strategies.round_guard)
             if self.clock is None:
                 metrics = self.run_round(rnd, grid)
             else:

@@ -4,8 +4,9 @@
   model the server holds when the reply arrives is refused and its node dropped from the round
   (off by default: algorithms whose nodes train far from the global model, e.g. personalised
   ones, need a bound of their own scale).
-* A round whose global model's test loss (``loss``, where the server evaluates) or whose
-  ``train-loss`` is not finite, or more than ``loss-bound`` times ``max(ln C, that loss's median
+* A round whose global model's test loss (``loss``, where the server evaluates) is NaN or
+  infinite, whose ``train-loss`` is infinite (a NaN one is taken as not measured: no reply
+  reported one), or either more than ``loss-bound`` times ``max(ln C, that loss's median
   over the run's earlier applied rounds)`` (``ln C``: the cross-entropy of a uniform guess over
   ``C`` classes; a ``train-loss``, whose scale is the algorithm's own, only once the run has
   one), diverged: the strategy's state is
@@ -18,6 +19,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 from logging import WARNING
 from typing import Any
@@ -59,6 +61,13 @@ class RoundGuard:
         return None
 
     # ------------------------------------------------------------------ divergence
+    def snapshot(self) -> dict[str, Any]:
+        """The strategy's state at a round's start (its ``state_dict``, the algorithm's extra state
+        copied, so that a round that changes it in place cannot change the snapshot)."""
+        state = self.strategy.state_dict()
+        state["extra"] = copy.deepcopy(state.get("extra", {}))
+        return state
+
     def bound(self, key: str) -> float:
         """The largest value of metric ``key`` a round may report (``inf`` with ``loss-bound=0``).
         The test loss is a cross-entropy, held to ``ln C`` from the first round; an algorithm's
@@ -80,8 +89,8 @@ class RoundGuard:
         if key not in metrics or metrics.get("skipped") or server_round in self.diverged:
             return False
         loss = float(metrics[key])
-        if math.isnan(loss) and key == "train-loss" and not metrics.get("participants", 1):
-            return False
+        if math.isnan(loss) and key == "train-loss":   # not measured (no reply reported one); a model
+            return False                               # gone NaN shows in the test loss
         limit = self.bound(key)
         if math.isfinite(loss) and loss <= limit:
             self.losses.setdefault(key, []).append(loss)
