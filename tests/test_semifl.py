@@ -159,10 +159,20 @@ def test_clipped_sgd_clips_the_global_norm_before_the_step():
 
 # ----------------------------------------------------------------------------------- rounds
 def _spy(grid):
+    """The replies to the run's training messages (not the partition query at the run's start)."""
+    from flwr.app import MessageType
+
     from flower_apps.client_app import dispatch
 
     replies = []
-    grid.handler = lambda msg, ctx: replies.append(dispatch(msg, ctx)) or replies[-1]
+
+    def handler(msg, ctx):
+        reply = dispatch(msg, ctx)
+        if msg.metadata.message_type == MessageType.TRAIN:
+            replies.append(reply)
+        return reply
+
+    grid.handler = handler
     return replies
 
 
