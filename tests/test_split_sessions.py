@@ -143,7 +143,12 @@ class LateGrid(LocalGrid):
         return sorted(set(self.contexts) - self.hidden)
 
 
-def test_a_node_joining_late_gets_a_session_at_the_next_round():
+def test_a_node_joining_late_gets_a_session_at_the_next_round(monkeypatch):
+    """A deployment's SuperNode that connects after round 1 (a simulation waits for all its
+    nodes before round 1, strategies.partition_count, so the grid stands for a deployment here)."""
+    from strategies import partition_count
+
+    monkeypatch.setattr(partition_count, "is_simulation", lambda grid: False)
     grid = LateGrid(4, dispatch, threaded=True)
     late = max(grid.contexts)
 
