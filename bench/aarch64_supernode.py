@@ -368,28 +368,8 @@ class MixedDeployment(Deployment):
 
 
 # ----------------------------------------------------------------------------- measurements
-# what a node's ClientApp process does before its handler computes, step by step (the steps of
-# bench/fixed_cost.py's probe, through split_layer.records.client_env's library_env)
-PROBE = r"""
-import json, time
-t0 = time.perf_counter()
-import torch
-t1 = time.perf_counter()
-import flower_apps.client_app
-t2 = time.perf_counter()
-from flower_apps.config import parse_run_config
-from flower_apps.simulate import fused_run_config
-from tasks.env import library_env, load_bundle, plan_cached
-task = parse_run_config({**fused_run_config(None), "algo": "fedavg"}).task
-t3 = time.perf_counter()
-load_bundle(task)
-t4 = time.perf_counter()
-plan_cached(task, 3, "all", False)
-t5 = time.perf_counter()
-library_env(task, 3, "all", partition_id=2).build_model()
-t6 = time.perf_counter()
-print(json.dumps({"torch": t1 - t0, "app": t2 - t1, "data": t4 - t3, "plan": t5 - t4, "model": t6 - t5}))
-"""
+# what a node's ClientApp process does before its handler computes, step by step: bench/fixed_cost.py's probe
+from bench.fixed_cost import PROBE  # noqa: E402
 
 
 def probe(argv: list[str], env: dict[str, str], reps: int) -> dict[str, float]:
