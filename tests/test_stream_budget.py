@@ -161,16 +161,13 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
     assert all(r["dropped"] == [] and r["participants"] == 3 for r in rows), rows
     for name in ("config.json", "metrics.jsonl", "checkpoint.pt", "model.pt", "partition.json"):
         assert (folder / name).is_file(), name
-    # the attacker did attack: it made its calls and opened twice the cap's worth of connections
-    # again and again, and the server refused it more often than the cap over the run. How many
-    # times in one round depends on where the round falls in the attacker's 30 s bans, whose cut
-    # connections are not refusals: 1221, 422 and 3 were seen on a loaded 2-core machine; on a
-    # 16-core H200 machine one round fell inside a ban and logged none (497 and 5 in the other
-    # two, 2026-11-26; then 326 and 2 at a cap of 216). So: refusals in at least one of the 3
-    # rounds, more in all than the cap, not in every round.
-    assert report["calls"] > 50 and report["reconnects"] > 4 * cap, report
-    refused = [n for n, _ in result["refused"]]
-    assert 1 <= len(refused) <= 3 and sum(refused) > cap, (cap, result["refused"])
+    # the attacker did attack: it held twice the cap's worth of connections, opened them again and
+    # again, and made its token-less calls; and none of its calls got through. Whether a call is
+    # refused (UNAUTHENTICATED, counted in the server's refusal log) or cut by a ban (UNAVAILABLE,
+    # not a refusal) depends on where the round falls in the bans, which last the whole run, so
+    # the test asserts the outcome for every call, not the refusal count.
+    assert report["calls"] > 50 and report["reconnects"] > 4 * cap and report["most_held"] >= 2 * cap, report
+    assert sum(report["codes"].values()) == report["calls"] and "OK" not in report["codes"], report
 
 
 PEAK_OF_DESCRIPTORS = """
