@@ -10,16 +10,16 @@ Arithmetic is done in float64 and cast back to each array's dtype. Integer and
 bool arrays (BatchNorm's ``num_batches_tracked``) are averaged the same way and
 then rounded to the nearest integer, so a counter stays a counter.
 
-Which keys to average (ssfl_benchmark.md §2 "Normalization", fedshvr.md §10.8)
-is the caller's choice, through ``keys``. Unless a docstring says otherwise,
+Which keys to average (SSFL Sec. 3.3 "Normalization" leaves BN statistics out; Fed-SHVR's BN
+statistics are averaged with the weights) is the caller's choice, through ``keys``. Unless a docstring says otherwise,
 keys outside ``keys`` are left out of the result of :func:`weighted_mean`, and
 copied from the reference state (server or previous global model) by the rules
 that have one.
 
-Spec references: Semi-SFL uniform FedAvg (semisfl.md §2 D), SSFL Eqs. 5-7
-(ssfl_benchmark.md §2, §5), SCALA size-weighted FedAvg (scala.md §2 step 5),
-Fed-SHVR FedNova plus correction (fedshvr.md §4), UM-pFSSL personalised
-weighting (umpfssl.md §2 step 4). This module does not import ``flwr`` or torch.
+Paper references: Semi-SFL uniform FedAvg of the bottoms (Sec. III, step (5)), SSFL Eqs. 5-7
+(Sec. 3.3, 4.2), SCALA size-weighted FedAvg (Eq. 8, Algorithm 1), Fed-SHVR FedNova plus
+correction (Sec. III, Algorithm 1, Eqs. 15-16), UM-pFSSL personalised weighting (Sec. 3
+"Model Aggregation", Algorithm 1). This module does not import ``flwr`` or torch.
 """
 from __future__ import annotations
 
@@ -107,10 +107,10 @@ def _check_shapes(dicts: Sequence[dict], keys: Sequence) -> None:
 def weighted_mean(states: Sequence[State], weights=None, keys=None):
     """``w = sum_k a_k w_k / sum_k a_k`` over ``keys`` (default: every key).
 
-    * Semi-SFL bottoms: ``weights=None`` (uniform over the uploading clients,
-      semisfl.md §9.5 [R]).
-    * SCALA client-side models: ``weights = |D_k|`` (scala.md Eq. 8).
-    * Parameters only (SSFL with BN, ssfl_benchmark.md §2): pass the trainable
+    * Semi-SFL bottoms: ``weights=None`` (uniform over the uploading clients: the paper's 1/N
+      runs over "all" clients, but only the active ones upload).
+    * SCALA client-side models: ``weights = |D_k|`` (SCALA Eq. 8).
+    * Parameters only (SSFL with BN, its Sec. 3.3): pass the trainable
       parameter names as ``keys``; BN buffers then stay out.
 
     ``weights`` must be >= 0 and not all zero. The result holds only the
@@ -178,13 +178,13 @@ class RunningWeightedMean:
 
 
 def personalized_weighted(states: Sequence[State], corr_weights, keys=None):
-    """UM-pFSSL personalised aggregation (umpfssl.md §2 step 4):
+    """UM-pFSSL personalised aggregation (Sec. 3 "Model Aggregation", Algorithm 1 line 14):
 
     ``w_k <- sum_{j in H_k} Corr(k|j) w_j / sum_{j in H_k} Corr(k|j)``
 
     ``states`` are the helper models, self included with its current weights,
     and ``corr_weights`` the matching Corr(k|j) values. Corr is positive by
-    construction (umpfssl.md §3: the 1/Hbar term with Hbar clamped >= 1e-3
+    construction (Eq. 13: the 1/Hbar term with Hbar clamped >= 1e-3
     plus a non-negative accuracy term). Same output convention as
     :func:`weighted_mean`.
     """
@@ -192,13 +192,13 @@ def personalized_weighted(states: Sequence[State], corr_weights, keys=None):
 
 
 def mean_including_server(server_state: State, client_states: Sequence[State], keys=None):
-    """SSFL FedAvg that counts the server as one member (ssfl_benchmark.md Eq. 5):
+    """SSFL FedAvg that counts the server as one member (the SSFL paper's Eq. 5):
 
     ``w_avg = (w_s + sum_{k in C_k} w_k) / (|C_k| + 1)``
 
     Returns a full state shaped like ``server_state``: the selected ``keys``
     (default: all) are averaged and every other key keeps the server's value
-    (e.g. BN statistics from labeled data only, §2 "Normalization"). Clients
+    (e.g. BN statistics from labeled data only, the SSFL paper's Sec. 3.3 "Normalization"). Clients
     should load only ``keys`` from the result.
     """
     server = _as_dict(server_state)
@@ -211,7 +211,8 @@ def mean_including_server(server_state: State, client_states: Sequence[State], k
 
 
 def contiguous_groups(client_ids: Iterable[Hashable], S: int) -> list[list]:
-    """Fixed contiguous groups by index (ssfl_benchmark.md §10.4 [R/C]).
+    """Fixed contiguous groups by index (the SSFL paper does not say how groups form; the authors'
+    code fixes them by index).
 
     Sorts ``client_ids`` and cuts them into ``S`` consecutive, nearly equal
     groups (sizes differ by at most one, larger groups first, as
@@ -234,7 +235,7 @@ def contiguous_groups(client_ids: Iterable[Hashable], S: int) -> list[list]:
 
 
 def grouped_average(server_state: State, client_states, groups: Sequence[Sequence[Hashable]], keys=None):
-    """SSFL grouping-based averaging (ssfl_benchmark.md Eq. 6):
+    """SSFL grouping-based averaging (the SSFL paper's Eq. 6):
 
     ``w_avg,i = (w_s + sum_{k in G_i} w_k) / (|G_i| + 1)`` and
     ``w_avg = (1/S) sum_i w_avg,i``.
@@ -297,7 +298,7 @@ def state_delta(new_state: State, old_state: State, keys=None):
 
 
 def weight_diversity(updates: Sequence[State], keys=None, *, times_k: bool = False) -> float:
-    """SSFL weight diversity (ssfl_benchmark.md Eq. 7, §5):
+    """SSFL weight diversity (the SSFL paper's Eq. 7, Sec. 4.2):
 
     ``Delta = sum_i ||u_i||^2 / ||sum_i u_i||^2``
 
@@ -365,13 +366,13 @@ def fednova_aggregate(
     keys=None,
     mean_keys=None,
 ):
-    """FedNova normalised averaging (fedshvr.md §4 step 1, [D]):
+    """FedNova normalised averaging (Fed-SHVR Algorithm 1, server step; reconstructed, [D]):
 
     ``theta^t = theta^{t-1} - tau * sum_k omega_k (theta^{t-1} - theta_k) / tau_k``,
     with ``tau = sum_k omega_k tau_k``.
 
-    ``omegas`` are normalised to sum to one here ([R] proportional to
-    N_k + M_k). The same normalised omegas must be used in
+    ``omegas`` are normalised to sum to one here (callers pass them proportional to
+    N_k + M_k, FedNova's default). The same normalised omegas must be used in
     :func:`vr_correction_update` for ``sum_k omega_k d_k = 0`` to hold.
     With equal ``tau_k`` this is the omega-weighted FedAvg.
 
@@ -379,8 +380,8 @@ def fednova_aggregate(
     * ``keys`` (default: every floating array not in ``mean_keys``) follow the
       FedNova rule.
     * ``mean_keys`` (default: every integer array) get the plain
-      omega-weighted mean. [R] Put BN running statistics here
-      (fedshvr.md §10.8: average them with the weights); they are not moved by
+      omega-weighted mean. Put BN running statistics here
+      (average them with the weights); they are not moved by
       SGD steps, so dividing their change by tau_k has no meaning.
     * Any other key keeps ``global_prev``'s value.
 
@@ -470,7 +471,7 @@ def vr_correction_update(
     lr: float,
     keys=None,
 ):
-    """Fed-SHVR client correction (fedshvr.md §4 step 3, [D], VRL-SGD/SCAFFOLD style):
+    """Fed-SHVR client correction (Eq. 15, reconstructed, [D]; VRL-SGD/SCAFFOLD style):
 
     ``d_k^t = d_k^{t-1} + (1/eta) [ (theta^{t-1} - theta_k^{t-1,tau_k}) / tau_k
                                    - (theta^{t-1} - theta^t) / tau ]``
@@ -478,12 +479,12 @@ def vr_correction_update(
     * ``global_prev`` = theta^{t-1}, ``client_final`` = this client's upload of
       the previous round, ``global_new`` = theta^t, ``tau`` = sum_k omega_k tau_k
       (as broadcast by the server), ``lr`` = eta.
-    * ``d_prev=None`` means d_k^{t-1} = 0 (initialisation, §4).
+    * ``d_prev=None`` means d_k^{t-1} = 0 (initialisation, Algorithm 1's input).
     * The local step is then ``theta <- theta - eta (g - d_k)``.
 
     With the server rule of :func:`fednova_aggregate` (same normalised omegas
     and same keys), ``sum_k omega_k d_k^t = 0`` holds to float precision
-    (§9 (b)). ``keys`` defaults to the keys of ``d_prev``, or to every floating
+    (checked in the tests). ``keys`` defaults to the keys of ``d_prev``, or to every floating
     array of ``global_prev`` when ``d_prev`` is None (pass the FedNova keys to
     leave BN buffers out). Returns float64 arrays, in the container type of
     ``global_prev``.

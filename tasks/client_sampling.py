@@ -1,6 +1,6 @@
 """Class-imbalance-aware client sampling (Fed-CBS): the QCID measure and the sequential sampling
 probabilities, as pure numpy functions of the clients' label histograms (``strategies/fedcbs.py``
-samples with them; ``../shared/specs/baselines.md`` B3).
+samples with them; ``docs/baselines.md`` B3).
 
 Notation: ``counts[n]`` is client n's label histogram (``n_n * alpha_n``: M non-negative
 counts), ``S`` a set of clients.
@@ -12,7 +12,7 @@ counts), ``S`` a set of clients.
   (:func:`qcid_inner`: only inner products of the alphas, what the paper computes under
   homomorphic encryption).
 * The m clients of a round are drawn one after another (:func:`cbs_step_probabilities`),
-  already chosen clients excluded [R]:
+  already chosen clients excluded (our choice; the third-party code does not exclude them):
 
   1. ``P_1(n) ~ 1/QCID({n}) + lambda sqrt(3 ln(t+1) / (2 T_n))`` (UCB exploration; ``T_n`` is
      1 + the times n was selected before, ``t`` the 0-based round index);

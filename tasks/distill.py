@@ -1,4 +1,4 @@
-"""UM-pFSSL's local training on soft pseudo-labels (spec ``specs/umpfssl.md``), plain torch."""
+"""UM-pFSSL's local training on soft pseudo-labels (the paper's Sec. 3, Algorithm 1), plain torch."""
 from __future__ import annotations
 
 import math

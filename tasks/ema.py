@@ -25,7 +25,7 @@ def ema_update(
     keys: Optional[Iterable[str]] = None,
     buffers: str = "copy",
 ) -> None:
-    """EMA teacher update ``w~ <- decay * w~ + (1 - decay) * w`` (semisfl.md §2 A.4, C.4, C.6).
+    """EMA teacher update ``w~ <- decay * w~ + (1 - decay) * w`` (Semi-SFL, Sec. III: the teacher model, and the bottoms' Eq. 8).
 
     ``teacher`` and ``student`` must have the same parameter and buffer names.
     To update only PART of a model, either pass the submodules themselves

@@ -1,4 +1,4 @@
-"""UM-pFSSL's helper selection, plain torch (spec ``specs/umpfssl.md``, Alg. 2): score models on
+"""UM-pFSSL's helper selection, plain torch (the paper's Sec. 4.2 and Algorithm 2): score models on
 one client's data (MC-dropout Corr, :class:`HelperScorer`), swap candidates into the helper list
 (:func:`replace_helpers`), pick the members to refresh (:func:`refresh_ids`), and the paper's
 transfer count (:func:`cost2`). The Flower side (pool, messages, node state) is
@@ -53,7 +53,8 @@ class HelperScorer:
 
 
 def replace_helpers(members: list[Member], candidates: list[Member], R: int) -> tuple[list[Member], int]:
-    """REPLACEHELPER (Alg. 2) with the [R] greedy matching: best candidate vs worst member.
+    """REPLACEHELPER (Alg. 2) with a greedy matching (our choice; the paper does not say how
+    candidates are paired with the members they replace): best candidate vs worst member.
 
     ``members``: non-self ``(id, version, corr)``; ``candidates`` likewise. Re = the R members
     with the lowest Corr; candidates sorted by Corr descending are paired with Re sorted

@@ -1,9 +1,9 @@
 """Loss functions shared by the five algorithms.
 
-Each building block from the "Shared building blocks" table in
-``specs/README.md`` is written here once. The docstrings give the formula and
-the spec section it comes from. Spec tags: [P]/[S] the paper says it, [C] the
-authors' code, [D] derived, [R] our recommendation.
+Each loss that more than one algorithm uses is written here once. The docstrings give the
+formula and the paper (section, equation) it comes from. Tags: [S] the paper says it, [C] the
+authors' code, [D] derived (reconstructed) by us, [ours] the library's choice where the
+paper is silent (the algorithm's page in ``docs/`` lists these choices).
 
 Everything is plain PyTorch and device agnostic: new tensors are created on the
 device and with the dtype of the inputs, so CUDA tensors work as well. This
@@ -63,7 +63,7 @@ def calibrated_ce(logits: Tensor, y: Tensor, counts: Tensor, tau: float = 1.0) -
     ``c`` (``counts``, clamped at 1e-8 so that a class the client lacks gets an offset of
     ``-100 tau`` and drops out). The paper's denominator leaves ``y`` out; like FL-bench (which
     found that variant collapse) the denominator here includes it, a standard softmax over the
-    calibrated logits (``../shared/specs/baselines.md`` B2 [R]). Rare classes are pushed down
+    calibrated logits (FL-bench ``src/client/fedlc.py``; ``docs/baselines.md`` B2). Rare classes are pushed down
     more during training, which enforces a larger margin for them; inference uses raw logits."""
     offset = float(tau) * counts.to(logits.device, logits.dtype).clamp_min(1e-8).pow(-0.25)
     return F.cross_entropy(logits - offset, y)
@@ -85,7 +85,7 @@ def _reduce(values: Tensor, reduction: str) -> Tensor:
 def entropy(probs: Tensor, dim: int = -1) -> Tensor:
     """Shannon entropy in nats, ``H(p) = -sum_c p_c log p_c``, with ``0 log 0 = 0``.
 
-    Used for the MC-dropout predictive entropy (umpfssl.md §3, Eq. 10). Returns
+    Used for the MC-dropout predictive entropy (UM-pFSSL Sec. 4.1, Eq. 10). Returns
     one value per row (``dim`` is reduced).
     """
     return -torch.special.xlogy(probs, probs).sum(dim=dim)
@@ -101,13 +101,14 @@ def masked_pseudo_label_ce(
 
     ``L = (1/N) * sum_i 1[max_c p_ic >= tau] * CE(argmax_c p_ic, logits_strong_i)``
 
-    * SSFL CRL, Eq. 4 (ssfl_benchmark.md §3): ``p`` is the same model's softmax
+    * SSFL CRL, Eq. 4 (the SSFL paper's Sec. 3.3): ``p`` is the same model's softmax
       on the weak view and ``tau = 0.95``. Self-training (Eq. 3) is the same
       call with the weak-view logits in place of ``logits_strong``.
-    * Semi-SFL H_u, Eq. 1 (semisfl.md §3): ``p`` is the EMA teacher's softmax on
+    * Semi-SFL H_u, Eq. 1 (the Semi-SFL paper's Sec. III): ``p`` is the EMA teacher's softmax on
       the weak view. The paper writes ``c_j > tau``; pass ``strict=True``.
       The two differ only when a confidence equals ``tau`` exactly.
-    * The Fed-Pseudo baseline (fedshvr.md §8) has no threshold: use ``tau=0``.
+    * The Fed-Pseudo baseline (Fed-SHVR's Sec. V: pseudo-labelling with FedAvg) has no
+      threshold: use ``tau=0``.
 
     The denominator is the FULL batch size ``N``: masked samples count as zeros
     [C], so the loss scale follows the mask rate. ``probs_weak`` is detached.
@@ -138,7 +139,7 @@ def masked_pseudo_label_ce(
 def soft_ce(logits: Tensor, target_probs: Tensor, reduction: str = "mean") -> Tensor:
     """Soft-target cross-entropy ``CE(v, f) = -sum_c v_c log softmax(s)_c``.
 
-    Fed-SHVR's ``alpha0 * CE(v, f(u))`` term (fedshvr.md §2, §4 step 4) uses it
+    Fed-SHVR's ``alpha0 * CE(v, f(u))`` term (its problem (5), Sec. II-III) uses it
     with the closed-form soft label ``v``. The target is detached. The default
     reduction is the batch mean.
     """
@@ -150,8 +151,9 @@ def soft_ce(logits: Tensor, target_probs: Tensor, reduction: str = "mean") -> Te
 def kl_to_target(logits: Tensor, target_probs: Tensor, reduction: str = "mean") -> Tensor:
     """``KL(t || softmax(s)) = sum_c t_c (log t_c - log softmax(s)_c)``.
 
-    UM-pFSSL L^u (umpfssl.md §4, Eq. 5): distillation towards the soft MC-mean
-    pseudo-label of the least uncertain helper. [R] The target is the first
+    UM-pFSSL L^u (its Sec. 3, Eq. 5): distillation towards the soft MC-mean
+    pseudo-label of the least uncertain helper. The target is the first (our choice: the
+    paper writes KL(f, yhat) but calls it distillation, which takes the target first)
     argument of the KL, so this equals :func:`soft_ce` minus the target's
     entropy (a constant), and the gradients are identical. The target is
     detached and ``0 log 0 = 0``. The default reduction is the batch mean
@@ -197,7 +199,7 @@ def sharpen(
 def closed_form_soft_label(
     p: Tensor, alpha0: float, alpha1: float, *, from_logits: bool = False
 ) -> Tensor:
-    """Fed-SHVR Lemma 1 (fedshvr.md §3, [D]): the minimiser over the simplex of
+    """Fed-SHVR Lemma 1 (its Sec. III, Eq. 8; reconstructed, [D]): the minimiser over the simplex of
 
     ``alpha0 * CE(v, p) + alpha1 * KL(v || u)``,  ``u = (1/C, ..., 1/C)``,
 
@@ -205,14 +207,13 @@ def closed_form_soft_label(
     :func:`sharpen` at ``T = alpha1/alpha0``.
 
     Limits (the objective is linear, respectively strictly convex, in v):
-    * ``alpha0 == 0`` (the start of the alpha0 ramp, §5): only the KL term is
+    * ``alpha0 == 0`` (the start of the alpha0 ramp): only the KL term is
       left, so ``v = u`` (uniform), whatever ``alpha1 > 0`` is.
     * ``alpha1 == 0`` (Fed-Pseudo, the centralised block coordinate descent
-      step of §2): ``v`` is one-hot at ``argmax p``.
+      step of Fed-SHVR's Sec. II): ``v`` is one-hot at ``argmax p``.
     * both zero: undefined; we return the one-hot (the plain pseudo-label).
 
-    The tests check this against a numerical minimisation over the simplex
-    (fedshvr.md §9 (a)).
+    The tests check this against a numerical minimisation over the simplex.
     """
     if alpha0 < 0 or alpha1 < 0:
         raise ValueError(f"alpha0 and alpha1 must be >= 0, got {alpha0}, {alpha1}")
@@ -226,7 +227,7 @@ def closed_form_soft_label(
 def kl_to_uniform(logits: Tensor, reduction: str = "mean") -> Tensor:
     """``KL(softmax(s) || u) = sum_c p_c log(C p_c) = log C - H(p)``.
 
-    Fed-SHVR r2 (fedshvr.md §2 [S/D]), added with ``+alpha2`` on the unlabeled
+    Fed-SHVR r2 (its Sec. II, the confidence penalty; the form [D]), added with ``+alpha2`` on the unlabeled
     inputs: the confidence penalty ``-H(p)`` plus the constant ``log C``.
     Computed from ``log_softmax`` so that it is stable for large logits.
     The default reduction is the batch mean.
@@ -247,7 +248,7 @@ def logit_adjusted_ce(
     *,
     min_prior: float = 1e-8,
 ) -> Tensor:
-    """SCALA's ``g_bal(y, s; P) = CE(s + log P, y)`` (scala.md §3, Eqs. 12-13).
+    """SCALA's ``g_bal(y, s; P) = CE(s + log P, y)`` (its Sec. 3.3, Eqs. 12-13).
 
     ``-log[ exp(s_y + log P_y) / sum_y' exp(s_y' + log P_y') ]``; its gradient
     with respect to ``s`` is ``softmax(s + log P) - onehot(y)``.
@@ -257,7 +258,7 @@ def logit_adjusted_ce(
     P_k of the client that sent it; with ``reduction="none"`` the per-client
     means of Eq. 13 follow by summing rows). It may be a tensor, numpy array or
     sequence, and need not be normalised: a constant factor cancels in the
-    softmax. [R] ``P`` is clamped to ``>= min_prior`` (1e-8) before the log, so
+    softmax. ``P`` is clamped to ``>= min_prior`` (1e-8) before the log, so
     an absent class drops out of the softmax. Predict with the raw logits.
     """
     prior_t = torch.as_tensor(prior, dtype=logits.dtype, device=logits.device)
@@ -288,7 +289,7 @@ def supcon_loss(
 ):
     """Supervised contrastive loss with a constant reference memory.
 
-    For every anchor j (semisfl.md §3, Eqs. 3 and 5)::
+    For every anchor j (Semi-SFL Sec. III, Eqs. 3 and 5)::
 
         L_j = -(1/|P(j)|) * sum_{p in P(j)} log[ exp(z_j.z_p/kappa) / sum_{a in A(j)} exp(z_j.z_a/kappa) ]
 
@@ -304,10 +305,10 @@ def supcon_loss(
     includes every memory entry, eligible or not), and
     ``P(j) = {p in A(j): y_p = y_j and p eligible}``.
 
-    Anchors with an empty ``P(j)`` are skipped [R]. ``reduction`` says what the sum of
+    Anchors with an empty ``P(j)`` are skipped (their term is undefined). ``reduction`` says what the sum of
     the kept ``L_j`` is divided by: ``"positives"`` (default; SupCon, Semi-SFL's T) the
-    number of anchors that have at least one positive, ``"batch"`` (Semi-SFL's C, spec
-    §3 "skip j when P^(j) is empty, and average over the batch") all ``N`` anchors. The
+    number of anchors that have at least one positive, ``"batch"`` (Semi-SFL's C: anchors
+    without a positive skipped, the mean over the batch) all ``N`` anchors. The
     loss is zero (still attached to the graph, with zero gradient) when no anchor has a
     positive.
 
@@ -402,9 +403,9 @@ def supervised_contrastive(
     kappa: float = 0.07,
     normalize: bool = True,
 ) -> Tensor:
-    """Semi-SFL T (semisfl.md §3, Eq. 3) on a labeled batch.
+    """Semi-SFL T (Sec. III, Eq. 3) on a labeled batch.
 
-    References: the current batch (minus the anchor) plus the queue [R].
+    References: the current batch (minus the anchor) plus the queue [ours].
     Positives: every reference with the same label. The literal P(j) puts no
     confidence filter on queue entries; pass ``tau`` (with ``queue_conf``) to let
     only queue entries with ``conf > tau`` be positives (the ground-truth level 1
@@ -430,7 +431,7 @@ def clustering_regularization(
     normalize: bool = True,
     reduction: str = "batch",
 ) -> Tensor:
-    """Semi-SFL clustering regularisation C (semisfl.md §3, Eq. 5).
+    """Semi-SFL clustering regularisation C (Sec. III, Eq. 5).
 
     For every unlabeled sample j (all of them, confident or not), with student
     projection ``z_j`` and teacher pseudo-label ``yhat_j``::
@@ -439,11 +440,11 @@ def clustering_regularization(
         C_j = -(1/|P^(j)|) sum_{p in P^(j)} log[ exp(z_j.z~_p/kappa) / sum_{a in Q} exp(z_j.z~_a/kappa) ]
 
     The denominator runs over the whole queue Q; the current batch is not a
-    reference. [R] Samples with empty P^(j) contribute nothing and the sum is
-    divided by the batch size ``N`` (``reduction="batch"``, spec §3: "skip j when
-    P^(j) is empty, and average over the batch"); ``reduction="positives"`` divides by
-    the number of anchors with a positive instead (this library's behaviour before
-    2026-11-23: 64/13 = 4.9x the paper's scale when 13 of 64 anchors have a positive).
+    reference. Samples with empty P^(j) contribute nothing and the sum is
+    divided by the batch size ``N`` (``reduction="batch"``: the 1/d_i of H_u applied to C
+    as well, [ours]); ``reduction="positives"`` divides by
+    the number of anchors with a positive instead (64/13 = 4.9x the batch
+    scale when 13 of 64 anchors have a positive).
     Gradients reach ``z`` only (the queue is constant).
     """
     return supcon_loss(

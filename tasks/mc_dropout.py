@@ -19,12 +19,13 @@ __all__ = ["mc_dropout_predict", "CORR_FLOOR", "normalized_entropy", "relation_s
 def mc_dropout_predict(
     model: nn.Module, x: Tensor, T: int = 10, *, batch_size: Optional[int] = None
 ) -> tuple[Tensor, Tensor]:
-    """MC-dropout predictive mean and entropy (umpfssl.md §3, Eqs. 9-10).
+    """MC-dropout predictive mean and entropy (UM-pFSSL, Sec. 4.1, Eqs. 9-10).
 
     ``P(y|x) = (1/T) sum_t softmax(f_{w_t}(x))`` over ``T`` dropout masks, and
-    ``H(x) = -sum_c P_c log P_c`` (nats). [R] Every dropout layer
+    ``H(x) = -sum_c P_c log P_c`` (nats). Every dropout layer
     (``nn.Dropout*``, ``nn.AlphaDropout`` ...) is in train mode and everything
-    else, BatchNorm included, in eval mode. The training flag of every module
+    else, BatchNorm included, in eval mode (so the T passes differ only by their dropout
+    masks). The training flag of every module
     is restored afterwards. ``model(x)`` must return logits. ``batch_size``
     splits ``x`` into chunks. Returns ``(mean_probs [N, C], entropy [N])``.
     """
@@ -59,7 +60,8 @@ CORR_FLOOR = 1e-6   # the smallest relation score (weights stay defined when eve
 
 
 def normalized_entropy(entropies: Tensor, num_classes: int, floor: float = 1e-3) -> float:
-    """``Hbar = mean(H) / log C`` clamped ``>= floor`` (umpfssl.md Eq. 14 with the [R] per-sample mean)."""
+    """``Hbar = mean(H) / log C`` clamped ``>= floor`` (UM-pFSSL Eqs. 12 and 14, with the per-sample
+    mean where Eq. 12 sums: our choice, so that Hbar lies in [0, 1] as the paper's Sec. 5 assumes)."""
     if entropies.numel() == 0:
         raise ValueError("normalized_entropy needs at least one entropy value")
     return max(float(entropies.mean()) / math.log(num_classes), floor)
@@ -67,7 +69,7 @@ def normalized_entropy(entropies: Tensor, num_classes: int, floor: float = 1e-3)
 
 def relation_score(mu: float, entropies_u: Optional[Tensor], probs_l: Optional[Tensor],
                    labels_l: Optional[Tensor], num_classes: int, floor: float = 1e-3) -> float:
-    """``Corr(k|j) = (1 - mu_k) / Hbar + mu_k * Acc`` (umpfssl.md Eq. 13) with the spec §3 edge cases.
+    """``Corr(k|j) = (1 - mu_k) / Hbar + mu_k * Acc`` (UM-pFSSL Eq. 13), each term 0 when its data set is empty.
 
     ``entropies_u``: helper j's MC entropies on D_k^u (None/empty: first term 0);
     ``probs_l``/``labels_l``: its MC mean on D_k^s and the labels (None/empty: second term 0).
@@ -83,7 +85,7 @@ def relation_score(mu: float, entropies_u: Optional[Tensor], probs_l: Optional[T
 
 
 def select_pseudo_labels(probs: Sequence[Tensor], entropies: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """umpfssl.md Eq. 11: per sample, the MC mean of the model with the lowest MC entropy.
+    """UM-pFSSL Eq. 11: per sample, the MC mean of the model with the lowest MC entropy.
 
     ``probs[j]`` is ``[N, C]`` and ``entropies[j]`` is ``[N]`` for model j. Returns
     ``(yhat [N, C], j* [N])``; ties go to the first model.

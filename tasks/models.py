@@ -29,7 +29,7 @@ vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
 
 ``vgg11-small`` (``vgg11`` at a quarter of the widths) has ``vgg11``'s cut points.
 
-* ``cnn`` - Semi-SFL's SVHN CNN (semisfl.md Section 6): conv5x5(32) -> ReLU ->
+* ``cnn`` - Semi-SFL's SVHN CNN (its Sec. V-A): conv5x5(32) -> ReLU ->
   maxpool2 -> conv5x5(64) -> ReLU -> maxpool2 -> FC512 -> ReLU -> FC(M). The
   convolutions are **unpadded** ("valid"): for 3x32x32 input this gives a 64x5x5
   feature map and 878,538 parameters = 3,514,152 bytes in float32 = **3.35 MiB**,
@@ -37,7 +37,7 @@ vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
   for ``norm="none"``; ``"bn"``/``"gn"`` add 192 affine parameters. 1x28x28 input
   gives a 64x4x4 map (582,026 parameters with 10 classes).
 * ``cnn-afo`` - the EMNIST CNN of "Adaptive Federated Optimization" (Reddi et al.), the
-  model SSFL's authors train on EMNIST (ssfl_benchmark.md Section 6): conv3x3(32) -> ReLU ->
+  model SSFL's authors train on EMNIST (the SSFL paper's Sec. 4): conv3x3(32) -> ReLU ->
   conv3x3(64) -> ReLU -> maxpool2 -> Dropout2d(dropout / 2) -> FC128 -> ReLU ->
   Dropout(dropout) -> FC(M), valid convolutions (1,199,882 parameters at 1x28x28, 10
   classes). With ``dropout=0.5`` the two dropouts are the authors' 0.25 / 0.5. The authors'
@@ -46,7 +46,7 @@ vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
   paper net is ``hidden=(5000,)``) each followed by norm, ReLU and dropout -> FC(M).
   ``norm`` applies to the hidden layers (BatchNorm1d / GroupNorm / none); use
   ``norm="none"`` for the plain Fed-SHVR MLP.
-* ``alexnet`` - SCALA's CIFAR AlexNet (scala.md Section 5 [R]): client side
+* ``alexnet`` - SCALA's CIFAR AlexNet (named in its Sec. 5.1; the layers are our choice): client side
   conv3x3(32)+pool, conv3x3(64)+pool (64x8x8 activation at 32x32), server side
   conv3x3(128), conv3x3(256), conv3x3(256)+pool (256x4x4), FC512, FC256, FC(M);
   3.21 M parameters for 10 classes. (Semi-SFL's CIFAR "AlexNet" with 7x7/11x11
@@ -56,17 +56,17 @@ vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
   256x3,M,512x3,M,512x3,M), global average pool, FC512, FC512, FC(M).
 * ``resnet18`` - CIFAR ResNet-18: 3x3 stem conv(64) without max-pool, four
   stages of two BasicBlocks (64, 128, 256, 512), global average pool, FC(M).
-* ``resnet9`` - DAWNBench ResNet-9 (umpfssl.md Section 6): prep conv(64);
+* ``resnet9`` - DAWNBench ResNet-9 (UM-pFSSL's Sec. 6.1): prep conv(64);
   layer1 = conv(128)+pool+residual(128, 128); layer2 = conv(256)+pool;
   layer3 = conv(512)+pool+residual(512, 512); global max pool; FC(M). The
   DAWNBench logit scale (x0.125) and bias-free FC are not reproduced.
-* ``cnn13`` - the Temporal-Ensembling / Mean-Teacher CNN-13 (fedshvr.md
-  Section 7 [R]): 3 x conv3x3(128) + pool + dropout, 3 x conv3x3(256) + pool +
+* ``cnn13`` - the Temporal-Ensembling / Mean-Teacher CNN-13 (Fed-SHVR's Sec. V names
+  CNN-13; the layers are that standard net): 3 x conv3x3(128) + pool + dropout, 3 x conv3x3(256) + pool +
   dropout, conv3x3(512, valid), conv1x1(256), conv1x1(128), each with norm and
   LeakyReLU(0.1), global average pool, FC(M). (No weight normalisation.)
 
 * ``vgg11`` - VGG-11 (configuration "A": 64, M, 128, M, 256, 256, M, 512, 512, M,
-  512, 512, M) with the **bottleneck** of SCALA-PE / ResSFL (scala.md Section 6;
+  512, 512, M) with the **bottleneck** of SCALA-PE / ResSFL (SCALA Sec. 5.7;
   ResSFL's ``vgg11_bn`` with ``cutlayer=4``, ``bottleneck_option="norelu_C8S1"``):
   conv1 = conv3x3(64)+norm+ReLU+pool, conv2 = conv3x3(128)+norm+ReLU+pool, then the
   client's stage ``bottleneck`` = conv3x3(128 -> 8), stride 1, no norm, no ReLU
@@ -380,7 +380,7 @@ def cnn(*, in_channels: int, num_classes: int, image_size: int, norm: str = "bn"
 
 def cnn_afo(*, in_channels: int, num_classes: int, image_size: int, norm: str = "none",
             dropout: float = 0.5) -> StagedModel:
-    """The EMNIST CNN of "Adaptive Federated Optimization" that SSFL's authors train (spec §6):
+    """The EMNIST CNN of "Adaptive Federated Optimization" that SSFL's authors train (their Sec. 4):
     conv3x3(32)+ReLU, conv3x3(64)+ReLU, maxpool2, Dropout2d(dropout / 2), FC128+ReLU,
     Dropout(dropout), FC(M); valid convolutions. ``norm`` after each conv ('none' is the
     authors' forward pass, which defines GroupNorm but never calls it)."""

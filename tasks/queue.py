@@ -1,4 +1,4 @@
-"""Semi-SFL's two-level memory queue of teacher projections (semisfl.md §3). Plain torch."""
+"""Semi-SFL's two-level memory queue of teacher projections (the queue Q of Eq. 5). Plain torch."""
 from __future__ import annotations
 
 import torch
@@ -8,12 +8,13 @@ __all__ = ["FeatureQueue"]
 
 
 class FeatureQueue:
-    """Semi-SFL's two-level memory queue Q of teacher projections (semisfl.md §3 [R]).
+    """Semi-SFL's two-level memory queue Q of teacher projections (Q of Eq. 5, Sec. III; the levels
+    and their sizes are the library's choice: the paper gives no sizes).
 
     * Level 1: labeled projections with ground-truth labels, confidence 1,
-      capacity ``labeled_size`` (1024 [R]).
+      capacity ``labeled_size`` (1024).
     * Level 2: FIFO of unlabeled teacher projections with pseudo-labels and
-      confidences, from all clients, capacity ``unlabeled_size`` (4096 [R]).
+      confidences, from all clients, capacity ``unlabeled_size`` (4096).
 
     Both levels are FIFO ring buffers of fixed capacity: when full, the oldest
     entries are overwritten. A batch larger than the capacity keeps only its
@@ -23,7 +24,7 @@ class FeatureQueue:
     ``labeled_every``-th call of :meth:`enqueue_labeled` (calls 0,
     ``labeled_every``, ``2*labeled_every``, ...); the others are ignored.
     The default ``labeled_every=1`` already refreshes level 1 far more slowly
-    than level 2 at the spec's sizes: a round pushes K_s*B_l = 50*64 labeled
+    than level 2 at the default sizes: a round pushes K_s*B_l = 50*64 labeled
     rows into 1024 slots (about 3 refreshes) but K_u*N_h*d = 50*10*64 unlabeled
     rows into 4096 slots (about 8 refreshes). Raise ``labeled_every`` to slow
     it further.

@@ -14,7 +14,7 @@ def cosine_lr(
     floor: float = 0.0,
     c: float = 7.0 / 16.0,
 ) -> float:
-    """SSFL/FixMatch cosine schedule with linear warmup (ssfl_benchmark.md §6).
+    """SSFL/FixMatch cosine schedule with linear warmup (the SSFL paper's Appendix A.3, Eq. 10).
 
     * ``step < warmup_steps``: ``base_lr * step / warmup_steps`` (linear from 0 [C]).
     * otherwise ``base_lr * max(cos(pi * c * (step - w) / (total_steps - w)), floor)``
@@ -28,7 +28,8 @@ def cosine_lr(
     c = 2.3, EMNIST uses E_sched = E with c = 7/16. Progress is clamped to
     [0, 1], and once the cosine first reaches the floor (``c * progress >= 1/2``)
     the rate stays at the floor. The literal formula would oscillate back up for
-    c > 1/2 (§10.5); inside the horizon used by the authors' code the two agree.
+    c > 1/2 (Appendix A.3's formula with E = 300 and c = 2.3); inside the horizon used by the
+    authors' code the two agree.
     """
     if total_steps <= warmup_steps:
         raise ValueError("total_steps must exceed warmup_steps")
@@ -41,11 +42,11 @@ def cosine_lr(
 
 
 def cosine_decay(step: float, total_steps: float, base_lr: float, min_lr: float = 0.0) -> float:
-    """Plain half-period cosine decay (Semi-SFL, semisfl.md §5: lr 0.02, cosine decay).
+    """Plain half-period cosine decay (Semi-SFL, Sec. V-C: lr 0.02, cosine decay).
 
     ``min_lr + (base_lr - min_lr) * (1 + cos(pi * t / total_steps)) / 2``, with
     ``t`` clamped to ``[0, total_steps]``: ``base_lr`` at 0, ``min_lr`` at the end.
-    [R] Semi-SFL does not say what a step is; callers use rounds (one rate per
+    Semi-SFL does not say what a step is; callers use rounds (one rate per
     round) or iterations.
     """
     if total_steps <= 0:

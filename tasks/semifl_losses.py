@@ -1,4 +1,4 @@
-"""SemiFL's building blocks (Diao, Ding, Tarokh, NeurIPS 2022; ``../shared/specs/baselines.md`` A1):
+"""SemiFL's building blocks (Diao, Ding, Tarokh, NeurIPS 2022; ``docs/baselines.md`` A1):
 the fix + mix loss, the pseudo-labelling pass, static batch normalisation (sBN), the server's
 global-momentum update and SGD with gradient-norm clipping. Plain torch/numpy, no Flower; the
 algorithm is :mod:`strategies.semifl` (not :mod:`strategies.semisfl`, which is Semi-SFL).

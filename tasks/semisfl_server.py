@@ -1,4 +1,4 @@
-"""Semi-SFL's parameter server, plain torch (spec ``specs/semisfl.md``): the adaptive K_s
+"""Semi-SFL's parameter server, plain torch (the paper's Sec. III and IV-B): the adaptive K_s
 controller (:class:`KsController`, Eq. 9), the projection head (:class:`ProjectionHead`) and the
 server core (:class:`SemiSFLServer`: stage A's supervised steps, stage C's cross-entity
 barrier, stage E, checkpoints), independent of any transport. The math is in
@@ -43,15 +43,15 @@ STUDENT, TEACHER, HIDDEN_LABELS = "student", "teacher", "hidden-labels"  # paylo
 
 # --------------------------------------------------------------------------- K_s controller
 class KsController:
-    """The global-updating-frequency rule of Eq. 9 (spec §4).
+    """The global-updating-frequency rule of Eq. 9 (Sec. IV-B, Algorithm 1 line 22).
 
     ``update(h, mean_ls)`` is called after round h with the mean supervised loss of the
     round and returns K_s^{h+1}:
 
-    * lhat <- m*lhat + (1-m)*mean_ls (the first value initialises lhat [R]);
+    * lhat <- m*lhat + (1-m)*mean_ls (the first value initialises lhat [ours]);
     * at milestone rounds (h % milestone_every == 0) with at least two lhat values,
       Delta = mean(last w values) - mean(the w values before), w = min(window, n // 2)
-      (shorter windows early in short runs [R]);
+      (shorter windows early in short runs [ours]);
     * K_s halves if |Delta| < rho1, doubles if |Delta| > rho2, else stays; the result is
       rounded half up and clamped to [1, max_factor * K_s^1].
 
@@ -114,7 +114,8 @@ def milestone_period(cfg: Any, num_rounds: int) -> int:
 
 # --------------------------------------------------------------------------- models
 class ProjectionHead(nn.Module):
-    """w_p: flatten -> Linear(F, F_h) -> ReLU -> Linear(F_h, d_z) (spec §5 [R])."""
+    """w_p: flatten -> Linear(F, F_h) -> ReLU -> Linear(F_h, d_z) (our choice: the paper gives no
+    architecture for the projection head)."""
 
     def __init__(self, in_dim: int, hidden: int, out_dim: int) -> None:
         super().__init__()
@@ -136,7 +137,7 @@ class SemiSFLServer:
     Holds the student w = (w_c, w_s) as one :class:`tasks.models.StagedModel` (``model``,
     cut by ``split`` into ``bottom``/``top`` sharing its parameters), the projection head
     ``proj``, the teacher (``teacher`` cut into ``t_bottom``/``t_top``, and ``t_proj``), the
-    queue, the two optimizers of spec §9.7 (``opt_sup`` on w_c, w_s, w_p for stage A;
+    queue, two optimizers (our choice; ``opt_sup`` on w_c, w_s, w_p for stage A;
     ``opt_cross`` on w_s, w_p for stage C) and the K_s controller. ``cfg`` is a
     :class:`strategies.semisfl.SemiSFLConfig`; ``feature_shape`` is F, the shape of the
     bottom's output without the batch dimension. The projection head's initialisation is

@@ -11,12 +11,12 @@ Layers
 
    * :func:`iid_partition` -- shuffle and cut into K near-equal parts.
    * :func:`dirichlet_partition` -- per-class Dirichlet over clients,
-     ``q_c ~ Dir_K(alpha)`` (Yurochkin et al.; semisfl.md §6, umpfssl.md §6,
-     scala.md §5 "beta").
+     ``q_c ~ Dir_K(alpha)`` (Yurochkin et al.; as Semi-SFL Sec. V-D, UM-pFSSL Sec. 6.1 and
+     SCALA Sec. 5.1 "beta" use it).
    * :func:`quantity_skew_partition` -- at most k classes per client
-     (scala.md §5 "alpha").
+     (SCALA Sec. 5.1 "alpha").
    * :func:`main_class_partition` -- the SSFL main-class construction for a target
-     non-IID level R (ssfl_benchmark.md §4, §10.2), with the metric :func:`r_metric`.
+     non-IID level R (SSFL Sec. 3.2 and Appendix A.2), with the metric :func:`r_metric`.
 
    Each has a :class:`flwr_datasets.partitioner.Partitioner` wrapper
    (:class:`IidSplitPartitioner`, :class:`ClassDirichletPartitioner`,
@@ -28,13 +28,13 @@ Layers
 2. *Labeled / unlabeled constructions*, composed with the above:
 
    * :func:`server_labeled_split` -- N_s class-balanced labels kept on the server
-     (ssfl_benchmark.md §1, §10.1; semisfl.md §6).
+     (SSFL Sec. 3.1 and Appendix A.2; Semi-SFL Sec. V-A).
    * :func:`dir2_labeled_split` -- per-client labeled ratio ``(p_s, p_u) ~ Dir_2(beta)``
-     (umpfssl.md §6).
-   * :func:`mismatch_partition` -- Fed-SHVR class-distribution mismatch (fedshvr.md §7,
-     §10.6).
+     (UM-pFSSL Sec. 6.1).
+   * :func:`mismatch_partition` -- Fed-SHVR class-distribution mismatch (its Sec. V;
+     the library's choices in ``docs/fedshvr.md``).
    * :func:`matched_test_split` -- a per-client test split with the client's own label
-     distribution (umpfssl.md §6).
+     distribution (UM-pFSSL Sec. 6.1).
 
 3. The single entry point :func:`make_plan` (+ :class:`PartitionConfig`,
    :class:`PartitionPlan`, :func:`plan_summary`) used by the whole library. Every

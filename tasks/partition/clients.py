@@ -21,7 +21,7 @@ from ._common import (
 def iid_partition(labels: np.ndarray, num_clients: int, *, seed: int = 0) -> list[np.ndarray]:
     """IID split: a seeded permutation cut into K parts whose sizes differ by at most 1.
 
-    (ssfl_benchmark.md §4 "IID split"). flwr-datasets' ``IidPartitioner`` shards
+    (the SSFL paper's IID case, Appendix A.2). flwr-datasets' ``IidPartitioner`` shards
     contiguously without shuffling, so it is not reused.
     """
     labels = _check_labels(labels)
@@ -65,8 +65,8 @@ def dirichlet_partition(
     largest-remainder rounding, so ``sum_k n_{k,c} = n_c`` exactly (every sample is
     assigned once). Smaller alpha -> more skew (larger R). If some client gets fewer
     than ``min_size`` samples the whole matrix q is redrawn, up to ``max_retries``
-    times, then a ValueError is raised (semisfl.md §6, umpfssl.md §6, scala.md §5
-    [R] "per-class q_y ~ Dir_K(beta)").
+    times, then a ValueError is raised (the Dirichlet label skew of Semi-SFL Sec. V-D, UM-pFSSL
+    Sec. 6.1 and SCALA Sec. 5.1, read as one ``q_y ~ Dir_K(beta)`` per class).
 
     flwr-datasets' ``DirichletPartitioner`` uses self-balancing / rejection rules and
     does not expose q, which :func:`matched_test_split` needs, so it is not reused.
@@ -131,7 +131,7 @@ def quantity_skew_partition(
     *,
     seed: int = 0,
 ) -> list[np.ndarray]:
-    """Quantity-based label skew: every client holds at most k classes (scala.md §5).
+    """Quantity-based label skew: every client holds at most k classes (SCALA Sec. 5.1).
 
     Let C be the number of classes present. Each class c is cut into ``s_c`` equal
     shards (sizes differ by at most one) and each client receives k shards of k
@@ -178,14 +178,15 @@ def main_class_targets(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Expected (real-valued) class counts ``A[k, i]`` of the SSFL construction.
 
-    ssfl_benchmark.md §4 (Appendix A.2): with n_j samples of class j, q_j = n_j / sum n
+    The SSFL paper's Appendix A.2: with n_j samples of class j, q_j = n_j / sum n
     and m_j users whose *main class* is j, a user with main class j receives
 
-    * ``n_j R / m_j`` samples of class j (step a, typo fixed per §10.3), and
+    * ``n_j R / m_j`` samples of class j (step a; the paper's ``n_i R / m_i`` is a typo), and
     * ``(1 - R) n_i q_j / m_j`` samples of every class i (step b),
 
     so ``P_j[i] = R 1[i=j] + (1-R) q_i`` and ``||P_j - P_k||_1 = 2R`` for different
-    main classes. [R] ``m_j = K / d`` when K is a multiple of d; otherwise
+    main classes. ``m_j = K / d`` when K is a multiple of d (the paper does not say how to choose
+    m_j); otherwise
     (documented choice) the main classes are spread as evenly as possible:
     ``m_j = floor(K/d)`` plus one for ``K mod d`` randomly chosen classes. When K < d
     some classes are nobody's main class; their samples are spread entirely as
@@ -221,13 +222,13 @@ def main_class_partition(
     seed: int = 0,
     return_targets: bool = False,
 ) -> list[np.ndarray] | tuple[list[np.ndarray], np.ndarray]:
-    """SSFL main-class partition for a target non-IID level R (ssfl_benchmark.md §4).
+    """SSFL main-class partition for a target non-IID level R (the SSFL paper's Appendix A.2).
 
     Builds the expected counts ``A`` of :func:`main_class_targets` and rounds each
     class column with largest-remainder rounding (class counts are conserved).
     With K = d the realised R equals the target up to rounding; with
     ``m_j = m = K/d`` users per main class it is ``R (1 - d m (m-1) / (K (K-1)))``
-    because users sharing a main class are at distance 0 (§10.2). Report the
+    because users sharing a main class are at distance 0. Report the
     realised value (``r_metric`` of the histograms, see :func:`skew_report`).
     ``return_targets`` also returns A (whose R is the rounding-free expectation).
     """

@@ -26,7 +26,8 @@ def server_labeled_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Class-balanced server-labeled set: ``N_s / C`` samples of every class.
 
-    ssfl_benchmark.md §1 and §10.1 ("N_s samples" means N_s/d per class), semisfl.md §6.
+    The SSFL paper's Sec. 3.1 ("N_s samples" read as N_s/d per class, as the authors' code) and
+    Semi-SFL's Sec. V-A.
     Returns ``(server_idx, rest_idx)``; the rest is what gets partitioned over the
     clients as unlabeled data. ``N_s`` must be a multiple of C and no class may run out.
     """
@@ -54,7 +55,7 @@ def server_labeled_split(
 def dir2_labeled_split(
     parts: Sequence[np.ndarray], beta: float = DEFAULTS["labeled_alpha"], *, seed: int = 0
 ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
-    """Per-client labeled ratio from ``(p_s, p_u) ~ Dir_2(beta)`` (umpfssl.md §6).
+    """Per-client labeled ratio from ``(p_s, p_u) ~ Dir_2(beta)`` (UM-pFSSL Sec. 6.1).
 
     Client k draws ``p_s ~ Beta(beta, beta)`` (the first coordinate of Dir_2(beta)) and a
     uniformly random ``round(p_s n_k)`` of its samples become labeled, the rest
@@ -164,17 +165,20 @@ def mismatch_partition(
     num_classes: int | None = None,
     seed: int = 0,
 ) -> MismatchSplit:
-    """Fed-SHVR labeled/unlabeled class-distribution mismatch (fedshvr.md §7, §10.6).
+    """Fed-SHVR labeled/unlabeled class-distribution mismatch (the Fed-SHVR paper's Sec. V;
+    the library's choices where it is silent: ``docs/fedshvr.md``).
 
     * **Labeled.** Client k gets ``labeled_per_client`` samples from the L =
-      ``labeled_classes_per_client`` classes ``{k, k+1, ..., k+L-1} mod C`` ([R] of §7),
+      ``labeled_classes_per_client`` classes ``{k, k+1, ..., k+L-1} mod C`` (our choice: the paper
+      names only how many classes),
       balanced (``labeled_per_client / L`` each; a remainder goes to the first classes).
     * **Unlabeled sizes.** ``M_k = f + (M - K f) w_k`` with ``w ~ Dir_K(size_alpha)``
-      and a floor ``f = max(min_size, floor(size_floor_fraction * M / K))`` (§10.6);
+      and a floor ``f = max(min_size, floor(size_floor_fraction * M / K))`` ([ours]: the paper's
+      Dir(0.025) sizes would leave some clients almost empty);
       ``size_alpha=None`` gives equal sizes. M is the whole remaining pool unless
       ``unlabeled_total`` is given.
     * **Mismatch.** A fraction r of client k's unlabeled data comes from classes
-      absent from its labeled set and ``1 - r`` from its labeled classes (§7). Within
+      absent from its labeled set and ``1 - r`` from its labeled classes (the paper's Sec. V). Within
       each group, classes are used in proportion to their remaining supply. Because
       class supply is finite, a client whose classes run out gets fewer than M_k
       samples (the ratio is kept); pool samples nobody can take stay unassigned and are
@@ -257,7 +261,7 @@ def mismatch_partition(
 def matched_test_split(
     test_labels: np.ndarray, proportions: np.ndarray, *, seed: int = 0
 ) -> list[np.ndarray]:
-    """Per-client test split sharing each client's label distribution (umpfssl.md §6).
+    """Per-client test split sharing each client's label distribution (UM-pFSSL Sec. 6.1).
 
     ``proportions`` is ``[C, K]``: ``proportions[c, k]`` is the share of class c that
     client k holds (the Dirichlet ``q_c``, or the realised shares

@@ -20,7 +20,7 @@ def class_histograms(labels: np.ndarray, parts: Sequence[np.ndarray], num_classe
 
 
 def r_metric(class_dists: np.ndarray) -> float:
-    """Non-IID level R of SSFL (ssfl_benchmark.md §4, Definition 1).
+    """Non-IID level R of SSFL (the SSFL paper's Sec. 3.2, Definition 1).
 
     ``R = 1/(K(K-1)) * sum_{1<=k<m<=K} ||P_k - P_m||_1``, i.e. the mean pairwise
     total-variation distance. ``R = 0`` iff all clients share one distribution;
