@@ -1,27 +1,28 @@
 """DataSharing: FedAvg with a small globally shared class-balanced data set, the SSFL
-benchmark's supervised reference of Table 3 (spec ``ssfl_benchmark.md`` §8-9;
-``../shared/specs/baselines.md`` D1).
+benchmark's supervised reference of Table 3 (the SSFL paper's Sec. 4.4; ``docs/baselines.md``
+D1).
 
 Y. Zhao, M. Li, L. Lai, N. Suda, D. Civin, V. Chandra, "Federated Learning with Non-IID Data",
 arXiv:1806.00582 (2018). A globally shared set G with a uniform class distribution is held
 centrally; a warm-up model w^0 is trained on G; a random alpha fraction G_k of G is sent ONCE
 to every client k; each client then runs FedAvg on D_k united with G_k (all client data
 labeled), and the server averages ``w <- sum_k n_k w_k / sum_k n_k`` with
-``n_k = |D_k| + |G_k|`` (D1 [R]). beta = |G| / |D| (D1 [P]).
+``n_k = |D_k| + |G_k|`` [ours]. beta = |G| / |D| (Zhao et al.'s).
 
 In this library G is the server's labeled set (``server-labels`` N_s class-balanced samples,
-label mode ``"server"`` as in :mod:`strategies.ssfl`): D1 [R] takes beta = 5% of the training
+label mode ``"server"`` as in :mod:`strategies.ssfl`): we take beta = 5% of the training
 pool, i.e. ``server-labels`` = 5% of the training set; the nodes hold the rest, labeled (the
 library's partition of the pool without G, ``partition='ssfl-r'`` in SSFL's comparison).
 
-* **Warm-up** (``datasharing.warmup-epochs``, 5 [R]): ``warmup-epochs`` passes over G of SGD
+* **Warm-up** (``datasharing.warmup-epochs``, 5 [ours]): ``warmup-epochs`` passes over G of SGD
   (batches of ``batch-size``, the task's optimizer) before the first broadcast, as the first
   part of round 1 (round 0's evaluation is the initial model). A run started from
   ``start(initial_arrays=...)`` takes those arrays as w^0 and skips the warm-up [ours].
 * **alpha** (``datasharing.alpha``, default 0.5 [ours]: Zhao et al. vary it and give no single
-  value, D1) is the share of G each node receives; with
+  value) is the share of G each node receives; with
   ``datasharing.target-r`` > 0 alpha is chosen instead so that the non-IID level R of the
-  nodes' merged data D_k + G_k equals the target (D1 [R]): D1's [D] dilution formula
+  nodes' merged data D_k + G_k equals the target [ours]: the dilution formula (derived here:
+  shared data drawn from the population distribution adds no skew)
   ``R(D_k + G_k) = R_priv n_priv / (n_priv + alpha |G|)`` (n_priv the mean node size) bounds the
   reachable targets, then the share size is found by bisection on the exact realised R of the
   shares as drawn [ours] (random shares are not exactly class-balanced). This needs the
@@ -102,7 +103,7 @@ def share_indices(num_shared: int, alpha: float, seed: int, partition_id: int) -
 
 
 def alpha_for_target(r_private: float, n_private: float, num_shared: int, target: float) -> float:
-    """D1's [D] dilution ``R = R_priv n / (n + alpha |G|)`` solved for alpha."""
+    """The dilution formula ``R = R_priv n / (n + alpha |G|)`` (module docstring) solved for alpha."""
     if target >= r_private:
         return 0.0
     return n_private * (r_private / target - 1.0) / num_shared
@@ -149,7 +150,7 @@ def client_train(msg: Message, context: Context) -> Message:
         model, data, aug=env.augmenter, steps=num_local_steps(task, len(data)), batch_size=task.batch_size,
         optimizer=make_sgd(model.parameters(), task, nesterov=cfg.nesterov), device=env.device,
         seed=derive_seed(task.seed, "datasharing", rnd, env.partition_id))
-    metrics["num-examples"] = float(len(data))     # n_k = |D_k + G_k| (D1 [R])
+    metrics["num-examples"] = float(len(data))     # n_k = |D_k + G_k|
     metrics["shared-examples"] = float(len(shared["y"]))
     return Message(RecordDict({ARRAYS_KEY: model_to_record(model), METRICS_KEY: MetricRecord(metrics)}),
                    reply_to=msg)
@@ -204,7 +205,7 @@ class DataSharingStrategy(BaseStrategy):
     def share_for_target(self, hist: np.ndarray, shared_labels: np.ndarray, target: float) -> int:
         """The share size m = alpha |G| whose realised R (the library's R metric on the nodes' merged
         class counts, with the shares as drawn) is nearest ``target``: bisection over m [ours]
-        (random shares are not exactly class-balanced, so D1's formula is off by about 0.01-0.02)."""
+        (random shares are not exactly class-balanced, so the dilution formula is off by about 0.01-0.02)."""
         g = len(shared_labels)
 
         def realised(m: int) -> float:

@@ -1,5 +1,5 @@
 """EASGD and OverlapSGD: the SSFL benchmark's supervised references with elastic/anchor
-averaging (spec ``ssfl_benchmark.md`` §8-9, Table 4; ``../shared/specs/baselines.md`` D2, D3).
+averaging (the SSFL paper's Sec. 4.4, Table 4; ``docs/baselines.md`` D2, D3).
 
 Both run the same worker loop: worker i keeps its own model x_i from round to round
 (``context.state``), runs tau local SGD steps on its labeled data (tau = the round's local
@@ -15,13 +15,13 @@ PRE-update x_i and the centre z of this round (the one the message carried)::
     z   <- z + a sum_i (x_i - z)                   (on the server, sum over the replies)
 
 a = ``easgd.beta`` / K, K the number of workers (nodes connected this round); beta = m a =
-0.9 is the paper's (baselines.md D2 [P], [R] a = 0.9/K). ``easgd.alpha`` > 0 fixes a instead;
-the centre update is ``z <- (1 - m a) z + a sum_i x_i`` and needs m a <= 1 (D2 [D]): a K a > 1
+0.9 is the EASGD paper's choice, hence a = 0.9/K. ``easgd.alpha`` > 0 fixes a instead;
+the centre update is ``z <- (1 - m a) z + a sum_i x_i`` and needs m a <= 1 (else z overshoots): a K a > 1
 is a :class:`ConfigError` naming the key. The server evaluates the centre z.
 
 ``overlapsgd`` -- J. Wang, H. Liang, G. Joshi, "Overlap Local-SGD: An Algorithmic Approach to
 Hide Communication Delays in Distributed SGD", ICASSP 2020 (arXiv:2002.09539), following the
-authors' ``distoptim/OverlapLocalSGD.py`` (D3 [C]). The anchor z the workers pull toward in
+authors' ``distoptim/OverlapLocalSGD.py``. The anchor z the workers pull toward in
 round r is the all-reduce result of round r-1 (one period stale: in the original it was
 all-reduced in the background while round r's local steps ran). After the tau local steps::
 
@@ -30,7 +30,7 @@ all-reduced in the background while round r's local steps ran). After the tau lo
     z_i' = z - lr v_i                              (the worker's contribution)
     z   <- (1/m) sum_i z_i'                        (server: the all-reduce; the next round's anchor)
 
-a = ``overlapsgd.pull`` = 0.6, gmf = ``overlapsgd.gmf`` = 0.7 (D3 [C launch_baseline.sh]);
+a = ``overlapsgd.pull`` = 0.6, gmf = ``overlapsgd.gmf`` = 0.7 (the authors' ``launch_baseline.sh``);
 with gmf = 0 the anchor is the mean of the pulled models. lr is the task's ``lr``.
 
 What travels, both: the centre/anchor z down (``arrays``, byte kind ``weights``) and one model
@@ -50,7 +50,7 @@ Choices the sources leave open, ours [ours]:
   included; integer buffers are rounded), as the originals apply it to every tensor they hold;
   with the paper's GroupNorm there are no buffers;
 * the local SGD momentum buffer persists on the worker across periods (as in the authors'
-  optimizer, which never resets it), with Nesterov momentum (``nesterov``, D2/D3 [C]);
+  optimizer, which never resets it), with Nesterov momentum (``nesterov``, as the OverlapSGD authors' code);
 * constant learning rate (the task's ``lr``; the originals' step schedule, x0.1 at 50% and 83%
   of training, is not implemented), as the library's supervised FedAvg it is compared with;
 * partial participation: the centre update sums over the replies that arrived, with a = beta/K

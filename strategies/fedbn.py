@@ -1,4 +1,4 @@
-"""FixBN: FedBN + FixMatch, a baseline of UM-pFSSL's Table 1 (``baselines.md`` C2-C3).
+"""FixBN: FedBN + FixMatch, a baseline of UM-pFSSL's Table 1 (``docs/baselines.md`` C2-C3).
 
 FedBN -- X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou, "FedBN: Federated Learning on Non-IID
 Features via Local Batch Normalization", ICLR 2021 (code: med-air/FedBN,

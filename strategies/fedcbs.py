@@ -1,26 +1,26 @@
 """Fed-CBS: FedAvg whose server samples a class-balanced set of clients (SCALA's full-model
-baseline, spec ``scala.md`` §6-7, Table III; ``../shared/specs/baselines.md`` B3).
+baseline: the SCALA paper's Sec. 5.1, Table III; ``docs/baselines.md`` B3).
 
 J. Zhang, A. Li, M. Tang, J. Sun, X. Chen, F. Zhang, C. Chen, Y. Chen, H. Li, "Fed-CBS: A
 Heterogeneity-Aware Client Sampling Mechanism for Federated Learning via Class-Imbalance
 Reduction", ICML 2023 (PMLR 202:41354-41381, arXiv:2209.15245). No official code; the sampling
-rule follows B3, from a public client-sampling comparison (``util/cspolicy.py``
+rule follows a public client-sampling comparison (``util/cspolicy.py``
 ``client_sample_CBS``, ``util/misc.py`` ``QCID``: [T]).
 
 **Sampling** (:mod:`tasks.client_sampling`). With ``counts[n] = n_n alpha_n`` node n's label
 histogram, the quadratic class-imbalance degree of a set S is
 ``QCID(S) = sum_b (sum_{n in S} n_n alpha_{n,b} / sum_{n in S} n_n - 1/M)^2``. The round's m
 clients (``fraction-train`` and ``min-nodes``, as for every algorithm) are drawn one after
-another, already chosen ones excluded [R]:
+another, already chosen ones excluded [ours: [T] does not exclude them]:
 
 1. ``P_1(n) ~ 1/QCID({n}) + lambda sqrt(3 ln(t+1) / (2 T_n))``, ``T_n`` = 1 + the times n was
-   sampled before (so it starts at 1 [R]), ``t`` the 0-based round index (round 1: t = 0, no
+   sampled before (so it starts at 1, as [T]'s ``client_cnt + 1``), ``t`` the 0-based round index (round 1: t = 0, no
    exploration bonus, as in [T] where t counts from 0);
 2. ``P_2(n) ~ QCID({c_1, n})^-2 / P_1(n)``;
 3. ``P_k(n) ~ QCID(S_{k-1})^(k-1) / QCID(S_{k-1} + {n})^k`` (beta_k = k [T]) for k >= 3,
 
 so a set S is drawn with probability about ``QCID(S)^-m``: sets whose pooled labels are close
-to uniform are preferred. ``lambda = 10`` ([T], B3 [R]). QCID is floored at 1e-20 ([T]) and the
+to uniform are preferred. ``lambda = 10`` ([T]). QCID is floored at 1e-20 ([T]) and the
 powers are taken in log space [ours]. The draw is seeded by ``derive_seed(seed, "fedcbs-sample",
 round)`` over the nodes in partition order, so a run repeats whatever Flower's node ids are.
 
@@ -36,7 +36,7 @@ nothing to choose: no query is sent and the run is FedAvg's.
 
 **Privacy.** The histogram query discloses each node's label histogram to the server, in
 the clear. The paper protects the inner products ``<alpha_n, alpha_m>`` with homomorphic
-encryption; here the histograms are plain (B3 [R]: a simulation of the sampling rule). The
+encryption; here the histograms are plain (our choice: a simulation of the sampling rule). The
 histogram is the algorithm's input, not a metric: it is sent whatever the node's
 ``share-label-metrics`` consent says (an algorithm that needs it cannot run without it), and a
 node that must not disclose it should not serve ``fedcbs``.

@@ -1,6 +1,6 @@
 """FedConcat: cluster the clients by label distribution, train one model per cluster, then
-concatenate the cluster encoders and train a new head (SCALA's full-model baseline, spec
-``scala.md`` §6-7, Table IV; ``../shared/specs/baselines.md`` B4).
+concatenate the cluster encoders and train a new head (SCALA's full-model baseline:
+the SCALA paper's Sec. 5.1, Table IV; ``docs/baselines.md`` B4).
 
 Y. Diao, Q. Li, B. He, "Exploiting Label Skews in Federated Learning with Model Concatenation",
 AAAI 2024, 38(10):11784-11792 (arXiv:2312.06290); code github.com/sjtudyq/FedConcat
@@ -35,10 +35,10 @@ Algorithm
    the sampled nodes, head only, uniform average ``W' <- mean_k W'_k`` (the authors': every
    client takes the same number of steps). It starts from the cluster heads,
    ``W' = [W_1 ... W_K']``, ``b' = sum_c b_c`` (``fedconcat.head-init = concat``, the authors'
-   choice for CIFAR-100, baselines.md B4 [R]); ``random`` is a fresh seeded ``nn.Linear``.
+   choice for CIFAR-100); ``random`` is a fresh seeded ``nn.Linear``.
 
 ``E = fedconcat.encoder-rounds``, or with 0 (default) ``ceil(encoder-share x num-rounds)``,
-encoder-share = 1/2 (baselines.md B4 [R]: T/2 rounds each; the stage switch scales with the
+encoder-share = 1/2 ([ours]: T/2 rounds each; the stage switch scales with the
 run). Local work in both stages is the task's ``local-steps``/``local-epochs`` and
 ``batch-size`` (the authors: 10 epochs in the encoder stage, 3 mini-batches of one epoch in the
 classifier stage; SCALA's comparison gives every FL baseline the same I steps).
@@ -115,7 +115,7 @@ STAGE = "fedconcat-stage"
 
 @dataclass(frozen=True)
 class FedConcatConfig:
-    """FedConcat knobs (namespace ``fedconcat``); defaults from the authors' run.sh and baselines.md B4."""
+    """FedConcat knobs (namespace ``fedconcat``); defaults from the authors' run.sh (``docs/baselines.md`` B4)."""
 
     clusters: int = knob(5, lo=1, help="K: clusters of clients by label distribution (capped by the number of nodes)")
     encoder_rounds: int = knob(0, lo=0, help="rounds of the encoder stage (0 = encoder-share of the run's rounds)")

@@ -1,20 +1,20 @@
 """FedMatch, labels-at-server scenario: disjoint learning of a decomposed model, with inter-client
-consistency (a Semi-SFL baseline: spec ``semisfl.md`` §7-8, Tables II, IV, V;
-``../shared/specs/baselines.md`` A2).
+consistency (a baseline of the Semi-SFL paper: Sec. V-B, Tables II, IV, V; ``docs/baselines.md``
+A2).
 
 Paper: W. Jeong, J. Yoon, E. Yang, S. J. Hwang, "Federated Semi-Supervised Learning with
 Inter-Client Consistency & Disjoint Learning", ICLR 2021 (arXiv:2006.12097); authors' code
 github.com/wyjeong/FedMatch (TF2: config.py, models/fedmatch/{client,server}.py, modules/train.py,
-modules/layers.py, modules/nets.py), tagged [C]; baselines.md's recommendations [R]; this
-module's own choices [ours]. The rules are in :mod:`tasks.fedmatch_decomp`.
+modules/layers.py, modules/nets.py), tagged [C]; the library's choices where paper and code
+are silent or disagree [ours] (``docs/baselines.md`` A2). The rules are in :mod:`tasks.fedmatch_decomp`.
 
 Setting: the server holds the labeled set D_S (``server-labels``); the clients hold unlabeled
 data only. **Decomposition** [C]: every conv and linear kernel is ``theta = sigma + psi``;
 sigma (supervised) is trained on the server only, psi (unsupervised, sparse) on the clients
 only. Kernels are found by module type (``nn.Conv*``, ``nn.Linear``), so a user's own model
 works; a model without one is a ``ConfigError``. Biases and the normalisation layers' affine
-parameters are not decomposed: they belong to sigma and are trained on the server [R] (or stay
-frozen: ``norm-affine='frozen'``, the [R] "code-faithful" option: the authors' ResNet-9 has no
+parameters are not decomposed: they belong to sigma and are trained on the server [ours] (or stay
+frozen: ``norm-affine='frozen'``, the code-faithful option: the authors' ResNet-9 has no
 normalisation layers and no biases). **Initialisation**: the model's own initialisation (or
 ``start(initial_arrays=...)``) is theta; sigma = theta/(1 + psi_factor), psi = theta - sigma,
 i.e. psi = 0.2 sigma [C] and sigma + psi = theta exactly [ours: the authors draw sigma and set
@@ -161,7 +161,7 @@ LABEL_METRICS = ("pseudo-correct",)
 @dataclass(frozen=True)
 class FedMatchConfig:
     """Run-config keys ``fedmatch.<key>``; defaults: the authors' labels-at-server config [C]
-    and baselines.md A2 [R] (budget)."""
+    and, for the step budget, Semi-SFL's (K_s = 50 server steps per round, the same budget)."""
 
     k_s: int = knob(50, lo=1, help="server steps on sigma per round (lambda_s CE on D_S; authors: 1 epoch)")
     labeled_batch_size: int = knob(0, lo=0, help="server batch size on D_S (0 = batch-size)")
@@ -280,7 +280,7 @@ class FedMatchStrategy(BaseStrategy):
     def aggregate_psi(self, replies: list[Message], psi_sent: dict[str, np.ndarray]) -> dict[str, float]:
         """psi = uniform mean of the decoded uploads; each upload's embedding (for helpers).
 
-        Takes the round's replies together rather than folding each as it arrives (issue 30): the
+        Takes the round's replies together rather than folding each as it arrives: the
         server keeps every client's decoded psi anyway (``client_psi``, the helpers it sends to
         other clients, the paper's design), so the replies cost no memory beyond that store."""
         uploads = [decode_upload(record_to_numpy(r.content.array_records[UPLOAD_KEY]), psi_sent) for r in replies]

@@ -1,5 +1,5 @@
 """FedProx and FedLC: FedAvg whose clients change one term of their objective (SCALA's
-full-model baselines, spec ``scala.md`` §6-7, Tables III-V; ``../shared/specs/baselines.md`` B1, B2).
+full-model baselines: the SCALA paper's Sec. 5.1, Tables III-V; ``docs/baselines.md`` B1, B2).
 
 ``fedprox`` -- T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar, V. Smith, "Federated
 Optimization in Heterogeneous Networks", MLSys 2020. Client k approximately minimises
@@ -7,18 +7,20 @@ Optimization in Heterogeneous Networks", MLSys 2020. Client k approximately mini
 ``w <- w - lr (grad F_k(w) + mu (w - w^t))`` (the squared norm over trainable parameters only,
 :func:`tasks.losses.proximal_term`). The server is FedAvg's:
 ``w^{t+1} = sum_k n_k w_k / sum_k n_k`` over the clients that replied. ``mu = 0.01``
-(baselines.md B1 [R]: the authors give no universal mu; FedBN's FedProx uses 1e-2).
+(our choice: the authors give no universal mu and suggest tuning it from {0.001, 0.01, 0.1, 0.5, 1};
+FedBN's code, ``federated/fed_digits.py``, runs FedProx with 1e-2).
 
 ``fedlc`` -- J. Zhang, Z. Li, B. Li, J. Xu, S. Wu, S. Ding, C. Wu, "Federated Learning with
 Label Distribution Skew via Logits Calibration", ICML 2022. Client k trains on the cross-entropy
 of calibrated logits ``f_c(x) - tau n_{k,c}^(-1/4)``, ``n_{k,c}`` its count of class c
 (:func:`tasks.losses.calibrated_ce`; ``y`` stays in the softmax denominator, as FL-bench found
-necessary, baselines.md B2 [R]); the server is FedAvg's, and inference uses the raw logits.
-``tau = 1.0`` (B2 [R], FL-bench's value; the paper gives none).
+necessary: FL-bench ``src/client/fedlc.py``); the server is FedAvg's, and inference uses the raw
+logits. ``tau = 1.0`` (FL-bench's value; the paper gives none).
 
 What travels, both: the global weights down and the local weights up (``num-examples`` n_k),
 as in FedAvg. In SCALA's comparison they run ``I`` local steps on batches of ``B/|S_t|``, the
-client's share of SCALA's concatenated batch (``flower_apps.papers``, baselines.md §B [D]).
+client's share of SCALA's concatenated batch (``flower_apps.papers``; our choice: the same samples
+per step as SCALA).
 
 Client contract: FedAvg's (:mod:`strategies.fedavg`); the ``algo`` record carries ``mu`` or ``tau``.
 """

@@ -1,9 +1,10 @@
 """Fed-SHVR and its baselines: federated SSL under class-distribution mismatch.
 
 Paper: Z. Wang, X. Wang, R. Sun, T.-H. Chang, "Federated Semi-Supervised Learning with
-Class Distribution Mismatch" (arXiv 2110.15813, 2021). Spec: ``shared/specs/fedshvr.md``.
-The paper's extracted text lost almost every equation; the formulas below are the spec's
-reconstructions ([D]) and are checked numerically in ``tests/test_fedshvr.py`` and
+Class Distribution Mismatch" (arXiv 2110.15813, 2021): the algorithm is its Sec. III and
+Algorithm 1 (soft labels Eq. 8 and Lemma 1, the correction d_k Eqs. 15-16), the settings its
+Sec. V. The paper's extracted text lost almost every equation; the formulas below are
+reconstructions ([D]; ``docs/fedshvr.md``) and are checked numerically in ``tests/test_fedshvr.py`` and
 ``tests/test_aggregate.py`` / ``tests/test_losses.py``.
 
 Setting (client-labeled). Client k holds N_k labeled samples from a few classes and M_k
@@ -26,7 +27,8 @@ Per round t (Algorithm 1):
                = p^(alpha0/alpha1) / sum_s p_s^(alpha0/alpha1),   p = f_{theta^t}(u_{k,i})
 
    with the Gaussian ramp alpha0(t) = alpha0 * exp(-5 (1 - min(1, E t / rampup))^2)
-   (spec §5 [R]; E = ``local-epochs``, so e = E t local epochs).
+   (the paper's Sec. V only says alpha0 ramps from 0 over the first 50 epochs; the Gaussian shape
+   is our choice; E = ``local-epochs``, so e = E t local epochs).
 3. Client k, correction (VRL-SGD / SCAFFOLD style, ``tasks.aggregate.vr_correction_update``)::
 
        d_k^t = d_k^{t-1} + (1/eta) [ (theta^{t-1} - theta_k^{t-1,tau_k}) / tau_k
@@ -141,7 +143,7 @@ STATE_INFO = "fedshvr-info"     # ConfigRecord: {"trained-round": t-1}
 
 @dataclass(frozen=True)
 class FedSHVRConfig:
-    """Fed-SHVR knobs (``fedshvr.<key>``); defaults are the paper's MNIST settings (spec §6)."""
+    """Fed-SHVR knobs (``fedshvr.<key>``); defaults are the paper's MNIST settings (its Sec. V)."""
 
     alpha0: float = knob(1.0, lo=0.0, help="final weight of the unlabeled loss (ramped, spec §5 [R])")
     alpha1: float = knob(0.75, lo=0.0, help="r1 weight: soft-label sharpening T = alpha1/alpha0 (0 = hard labels)")
@@ -163,7 +165,8 @@ class FedSHVRConfig:
 
 # --------------------------------------------------------------------------- the rules
 def alpha0_at(cfg: FedSHVRConfig, server_round: int, local_epochs: int) -> float:
-    """alpha0(t) = alpha0 * exp(-5 (1 - min(1, e / rampup))^2), e = E t (spec §5 [R])."""
+    """alpha0(t) = alpha0 * exp(-5 (1 - min(1, e / rampup))^2), e = E t (the paper, Sec. V: a ramp
+    from 0 over the first 50 epochs; its Gaussian shape is our choice)."""
     if cfg.rampup_epochs <= 0:
         return cfg.alpha0
     e = float(local_epochs) * server_round
@@ -172,7 +175,7 @@ def alpha0_at(cfg: FedSHVRConfig, server_round: int, local_epochs: int) -> float
 
 
 def num_steps(task, cfg: FedSHVRConfig, n_labeled: int, n_unlabeled: int) -> int:
-    """tau_k = ceil(max(M_k E / B_u, N_k E / B_l)) (spec §4 [S]); ``fed-sl`` (no unlabeled term) sweeps its
+    """tau_k = ceil(max(M_k E / B_u, N_k E / B_l)) (E local epochs, the paper's Sec. V); ``fed-sl`` (no unlabeled term) sweeps its
     labeled set only, ceil(N_k E / B_l), unless ``steps='matched'``; ``local-steps`` > 0 overrides."""
     if task.local_steps > 0:
         return int(task.local_steps)
@@ -210,7 +213,7 @@ def correction_from_carry(carry: Mapping[str, np.ndarray], prev_global: Mapping[
     """d_k^t = carry - (theta^{t-1} - theta^t) / (eta tau)  (float64).
 
     With ``carry`` from :func:`carry_after_round` this is exactly
-    ``tasks.aggregate.vr_correction_update`` (spec §4 step 3), from two stored vectors
+    ``tasks.aggregate.vr_correction_update`` (step 3 above; the paper's Eq. 15), from two stored vectors
     instead of three.
     """
     if tau <= 0 or lr <= 0:

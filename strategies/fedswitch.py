@@ -1,6 +1,6 @@
 """FedSwitch: federated semi-supervised learning with a teacher-student EMA, local teacher
-adaptation and an adaptive teacher/student switch for the pseudo-labels (a Semi-SFL baseline:
-spec ``semisfl.md`` §7-8, Tables II, IV, V; ``../shared/specs/baselines.md`` A3).
+adaptation and an adaptive teacher/student switch for the pseudo-labels (a baseline of the
+Semi-SFL paper: Sec. V-B, Tables II, IV, V; ``docs/baselines.md`` A3).
 
 Paper: J. Zhao, S. Ghosh, A. Bharadwaj, C.-Y. Ma, "When does the student surpass the teacher?
 Federated Semi-supervised Learning with Teacher-Student EMA", arXiv:2301.10114 (2023); the
@@ -11,8 +11,9 @@ library's search; the full text was not retrieved): FixMatch-style federated SSL
 teacher-student EMA, two features -- *local teacher adaptation* and *adaptive switching
 between teacher and student for pseudo-label generation* -- aimed at client statelessness
 and low communication. The Semi-SFL paper adds that it relies on an "IIDness
-hyper-parameter" and is tested on the global teacher. Everything else below is baselines.md
-A3's reconstruction, tagged [R], or this module's own choice, tagged [ours]. Tag results
+hyper-parameter" and is tested on the global teacher. Everything else below is the library's
+reconstruction (``docs/baselines.md`` A3), tagged [rec], or this module's own choice, tagged
+[ours]. Tag results
 "reconstruction"; re-check against the paper before quoting numbers.
 
 Setting: labels on the server only (``server-labels``: D_l), unlabeled clients; full model
@@ -20,36 +21,36 @@ w (student) and its EMA w~ (teacher), both on the server.
 
 Round h (the server's side, :class:`FedSwitchStrategy`)
 -------------------------------------------------------
-1. **Server stage** [R]: K_s (``fedswitch.k-s``) steps of cross-entropy on D_l (weak view
+1. **Server stage** [rec]: K_s (``fedswitch.k-s``) steps of cross-entropy on D_l (weak view
    [ours], batches of ``fedswitch.labeled-batch-size``) on w, each followed by
    w~ <- g w~ + (1 - g) w (:func:`tasks.fedswitch_rule.server_steps`).
-2. **Broadcast** [R]: every sampled client gets w and w~ (2|w| down).
-3. **Client i, stateless** [R] (:func:`tasks.fedswitch_rule.train_fedswitch`): w_i <- w,
+2. **Broadcast** [rec]: every sampled client gets w and w~ (2|w| down).
+3. **Client i, stateless** [rec] (:func:`tasks.fedswitch_rule.train_fedswitch`): w_i <- w,
    t_i <- w~; per local step on an unlabeled batch u (``local-steps``, or ``local-epochs``
    passes, batches of ``batch-size``):
 
-   * the switch: s = t_i if ``fedswitch.iid`` (the IIDness flag, [R] stand-in for the
+   * the switch: s = t_i if ``fedswitch.iid`` (the IIDness flag, [rec] stand-in for the
      paper's hyper-parameter); otherwise s is whichever of {t_i, w_i} has the higher mean
-     max-softmax on weak(u), ties to t_i [R]. Both predict weak(u) in eval mode without
+     max-softmax on weak(u), ties to t_i [rec]. Both predict weak(u) in eval mode without
      gradients [ours] (like with like: no dropout, running BN statistics);
    * q = softmax(f_s(weak(u))),
-     L = (1/B) sum_b 1[max q_b >= tau] CE(argmax q_b, f_{w_i}(strong(u_b))) [R]
+     L = (1/B) sum_b 1[max q_b >= tau] CE(argmax q_b, f_{w_i}(strong(u_b))) [rec]
      (normalised by the full batch, :func:`tasks.losses.masked_pseudo_label_ce`);
-   * one SGD step on w_i, then **local teacher adaptation** t_i <- g_l t_i + (1 - g_l) w_i [R].
+   * one SGD step on w_i, then **local teacher adaptation** t_i <- g_l t_i + (1 - g_l) w_i [rec].
 
    The client uploads w_i and discards t_i (|w| up): nothing is kept in ``context.state``.
-4. **Aggregation**: w = (1/|S|) sum_i w_i, uniform over the replies [R] ("mean_i"; as
-   Semi-SFL's stage D), every state entry (BN buffers included); then w~ <- g w~ + (1 - g) w [R].
-5. **Evaluation** of the global teacher w~ [S] (``accuracy``; also ``student-accuracy``).
+4. **Aggregation**: w = (1/|S|) sum_i w_i, uniform over the replies [rec] ("mean_i"; as
+   Semi-SFL's stage D), every state entry (BN buffers included); then w~ <- g w~ + (1 - g) w [rec].
+5. **Evaluation** of the global teacher w~ (the Semi-SFL paper's Sec. V-B) (``accuracy``; also ``student-accuracy``).
 
-Order: A3's, the server stage opens every round (``server_trains_first``: round 1's nodes
+Order [rec]: the server stage opens every round (``server_trains_first``: round 1's nodes
 receive what K_s steps made of the initial model, whose confidences would rarely reach tau).
 A round with fewer than ``min-nodes`` replies keeps its server stage and skips step 4 [ours].
 
-Defaults [R] (baselines.md A3; the seed's optimizer, semisfl.md §5): tau = 0.95, g = 0.999
+Defaults [rec] (``docs/baselines.md`` A3; the Semi-SFL paper's optimizer, its Sec. V-C): tau = 0.95, g = 0.999
 per server step (``ema-decay``), g_l = 0.99 per client step (``local-ema-decay``), K_s = 50
-(the seed's initial K_s, A1 [R] budget parity), labeled batch = ``batch-size`` (0); SGD with
-the task's lr, momentum and weight decay (the seed: 0.02, 0.9, 5e-4), the learning rate
+(Semi-SFL's initial K_s: the same server budget), labeled batch = ``batch-size`` (0); SGD with
+the task's lr, momentum and weight decay (Semi-SFL's: 0.02, 0.9, 5e-4), the learning rate
 decayed by a cosine over the run's rounds (``lr-schedule``; one rate per round, shared by
 the server stage and the clients [ours], as in :mod:`strategies.semisfl`). The server's
 optimizer keeps its momentum across rounds; a client's starts fresh each round (stateless).
@@ -111,7 +112,8 @@ LABEL_METRICS = ("pseudo-correct",)
 
 @dataclass(frozen=True)
 class FedSwitchConfig:
-    """Run-config keys ``fedswitch.<key>``; defaults: baselines.md A3 [R] and the seed's."""
+    """Run-config keys ``fedswitch.<key>``; defaults: the reconstruction's (``docs/baselines.md`` A3)
+    and the Semi-SFL paper's."""
 
     k_s: int = knob(50, lo=1, help="K_s: server cross-entropy steps on D_l per round (EMA after each)")
     labeled_batch_size: int = knob(0, lo=0, help="server batch size on D_l (0 = batch-size)")
@@ -212,7 +214,7 @@ class FedSwitchStrategy(BaseStrategy):
     eval_name = "teacher"
 
     def eval_model(self) -> torch.nn.Module:
-        return self.teacher   # the global teacher w~ [S]
+        return self.teacher   # the global teacher w~, as the Semi-SFL paper tests it
 
     def also_evaluated(self) -> dict[str, torch.nn.Module]:
         return {"student": self.model}

@@ -1,4 +1,4 @@
-"""The baselines of UM-pFSSL's Table 1 (spec ``umpfssl.md`` §7; ``baselines.md`` C1-C4, C6): modes of
+"""The baselines of UM-pFSSL's Table 1 (its Sec. 6.1; ``docs/baselines.md`` C1-C4, C6): modes of
 one client on UM-pFSSL's config and personalised evaluation (FixProx and FedProx-SL, which add
 FedProx's term, are :mod:`strategies.fixprox`; pFedMe-Fix is :mod:`strategies.pfedme`). This module
 holds the modes' client and server; the rows added for Table 1 register in their own modules:

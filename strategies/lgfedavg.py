@@ -1,4 +1,4 @@
-"""LG-FedAvg + FixMatch, a baseline of UM-pFSSL's Table 1 (``baselines.md`` C4).
+"""LG-FedAvg + FixMatch, a baseline of UM-pFSSL's Table 1 (``docs/baselines.md`` C4).
 
 LG-FedAvg -- P. P. Liang, T. Liu, L. Ziyin, N. B. Allen, R. P. Auerbach, D. Brent,
 R. Salakhutdinov, L.-P. Morency, "Think Locally, Act Globally: Federated Learning with Local
@@ -26,7 +26,7 @@ Defaults: FixMatch's (``umpfssl.fixmatch-*``) and the run's optimizer (UM-pFSSL'
 w_0, and a node's first participation starts from the initial model's body (the seeded
 initial model, or the initial arrays' body sent once as ``local-init``). The code's
 ``num_layers_keep`` (the last layers global) is the head here: the final linear layer for
-the library's models (baselines.md C4 [R] for ResNet-9).
+the library's models (for ResNet-9 too [ours]: the code's CNN keeps its last two layers global).
 """
 from __future__ import annotations
 

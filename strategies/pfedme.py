@@ -1,9 +1,10 @@
-"""pFedMe + FixMatch, a baseline of UM-pFSSL's Table 1 (``baselines.md`` C5).
+"""pFedMe + FixMatch, a baseline of UM-pFSSL's Table 1 (``docs/baselines.md`` C5).
 
 pFedMe -- C. T. Dinh, N. H. Tran, T. D. Nguyen, "Personalized Federated Learning with Moreau
 Envelopes", NeurIPS 2020 (code: CharlieDinh/pFedMe, ``FLAlgorithms/users/userpFedMe.py``,
 ``optimizers/fedoptimizer.py``, ``servers/serverpFedMe.py``). Here f_k is FixMatch's loss on
-the node's labeled and unlabeled data (``CE(f(weak(x_l)), y_l) + lambda_u L_u``, C1).
+the node's labeled and unlabeled data (``CE(f(weak(x_l)), y_l) + lambda_u L_u``, Sohn et al.'s
+FixMatch, NeurIPS 2020).
 
 Update rule (:mod:`tasks.pfedme`). Client k sets w_k <- w, theta <- w, and for each of its
 R local steps (``local-epochs`` passes over D_k^s + D_k^u, or ``local-steps``), on one mini-batch:
@@ -17,9 +18,10 @@ R local steps (``local-epochs`` passes over D_k^s + D_k^u, or ``local-steps``), 
 Server: ``w <- (1 - beta) w + beta sum_{k in S} n_k w_k / sum_{k in S} n_k`` (``pfedme-beta``;
 n_k weights as the code, the paper writes 1/S). The personalised model theta_k is the one
 evaluated: for evaluation each node computes theta_k from the current w by K inner steps
-on one seeded mini-batch of its data (baselines.md C5 [R]) and tests it on its own split.
+on one seeded mini-batch of its data [ours: the paper evaluates theta_k, computed during
+training] and tests it on its own split.
 
-Defaults (the code's CIFAR-10 README, baselines.md C5): lambda = 15, K = 5, plr = 0.01,
+Defaults (the code's CIFAR-10 README): lambda = 15, K = 5, plr = 0.01,
 beta = 1. What travels: w down and w_k up (``weights``), as FedAvg; w for evaluation
 (``eval-weights``).
 

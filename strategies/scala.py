@@ -1,14 +1,15 @@
 """SCALA and the split-federated baselines it is compared with, as switches of one module.
 
 Paper: J. Yang, Y. Liu, "SCALA: Split Federated Learning with Concatenated Activations
-and Logit Adjustments" (spec: ``shared/specs/scala.md``). SplitFed: C. Thapa et al.,
+and Logit Adjustments" (method: its Sec. 3 and Algorithm 1). SplitFed: C. Thapa et al.,
 "SplitFed: When Federated Learning Meets Split Learning" (AAAI 2022). SFLLocalLoss: D.-J. Han,
 H. I. Bhatti, J. Lee, J. Moon, "Accelerating Federated Learning with Split Learning on Locally
 Generated Losses", ICML 2021 Workshop on Federated Learning for User Privacy and Data
 Confidentiality. CS-SFL: C. Xie, Z. Chen, W. Yi, H. Shin, A. Nallanathan, "Tackling Class
 Imbalance and Client Heterogeneity for Split Federated Learning in Wireless Networks", IEEE
 Trans. Wireless Commun., 2025 (SCALA's [11]). Minibatch-SFL: SCALA's name (Table III) for
-CA-SFL. (``../shared/specs/baselines.md`` B5-B6.)
+CA-SFL. What was reconstructed for SFLLocalLoss and CS-SFL, and why: ``docs/baselines.md``
+(B5, B6).
 
 The model is cut (``cut``, default: the model's) into a client part w_c (bottom) and a
 server part w_s (top). Global iteration t, sampled clients C^t (``fraction-train``):
@@ -37,7 +38,9 @@ server part w_s (top). Global iteration t, sampled clients C^t (``fraction-train
 * clients: A_k.backward(G_k), SGD step on w_c,k (Eq. 7); after I iterations
   w_c = sum_k |D_k| w_c,k / sum_k |D_k| (Eq. 8).
 
-Priors (``scala.prior``): ``histogram`` [spec 8.1 R] P_k = n_k/|D_k| from the label
+Priors (``scala.prior``; the SCALA paper, Sec. 3.3, calls P_s "the distribution of concatenated
+labels" and P_k client k's label distribution without saying how they are estimated):
+``histogram`` (default, our choice: the expected make-up of the batch) P_k = n_k/|D_k| from the label
 histogram each client reports once, P_s = sum_k n_k / sum_k |D_k| over the clients whose
 activations are in the batch; ``batch``: label counts of the current (concatenated) batch.
 Prediction uses the raw logits.
@@ -49,45 +52,45 @@ Variants (``algo``): ``scala`` (concat + adjust), ``ca-sfl`` (concat, no adjust)
 and ``cs-sfl`` (per-client, CE, balanced selection; :class:`CSSFLStrategy`). All share the
 ``scala.*`` run-config namespace.
 
-**SFLLocalLoss** (``scala.server-mode='local-loss'``, B5, partly [R]: no text or code of the
+**SFLLocalLoss** (``scala.server-mode='local-loss'``, partly our reconstruction: no text or code of the
 original was found). Each client k holds w_c,k and an auxiliary head a_k = flatten + one linear
 layer from the cut's activation to the M classes (:func:`make_aux_head`, sized from the cut's
-feature shape, so any model can be cut; B5 [R]; initialised once on the server, seeded by
+feature shape, so any model can be cut; our choice; initialised once on the server, seeded by
 ``derive_seed(seed, "sfl-aux-head")``). Each iteration i: A_k = h(w_c,k; X_k); one SGD step of
 (w_c,k, a_k) on ``L_k = CE(a_k(A_k), Y_k)`` (the head's own SGD with the task's settings, which
 for SGD equals one optimizer over both); then A_k (computed before that step, detached) and
 Y_k go up. The server takes one SGD step of its single w_s per client, on ``CE(w_s(A_k), Y_k)``,
 the clients in a seeded random order per iteration (``derive_seed(seed,
-"sfl-local-loss-order", round, i)``, B5 [R]: sequential steps, unlike Minibatch-SFL's one step on
+"sfl-local-loss-order", round, i)``, our choice: sequential steps, unlike Minibatch-SFL's one step on
 the concatenation); **no gradient goes down** (the runtime's gradient messages are empty:
-no ``bytes.gradients``). End of round: w_c and a are both |D_k|-averaged (B5). The client
+no ``bytes.gradients``). End of round: w_c and a are both |D_k|-averaged. The client
 never uses the server: its weights do not depend on w_s. Choices [ours]: the batch B_k of
 Eq. 3 (as every split row here, instead of the original's per-client batch); the clients run
 in lockstep with the server (one forward per step, the same exchanges as the other rows),
 though nothing forces them to wait; the round metrics ``server-loss`` (= ``train-loss``) and
 ``client-loss`` (the mean of the clients' local losses, ``aux-loss`` of their final replies;
-B5 [R] "report both"). Prediction: the full model w_s(h(w_c; x)) (the head is a training aid
-only) [ours].
+both are reported, since neither alone shows how the two halves train). Prediction: the full
+model w_s(h(w_c; x)) (the head is a training aid only) [ours].
 
-**CS-SFL** (``scala.balanced-selection``, B6, a reconstruction [R]: no text or code of the
+**CS-SFL** (``scala.balanced-selection``, our reconstruction: no text or code of the
 original was found). SplitFedV1 (per-client server copies, plain CE, both halves
 |D_k|-averaged) whose server chooses the round's clients (as many as ``fraction-train`` and
 ``min-nodes`` give) class-balanced: from the label histograms n_k of the one-time ``split-info``
 query (already asked of every split node for SCALA's priors and, when not every node is
-sampled, asked of every node then: no new query), by the QCID of the chosen set (B3,
+sampled, asked of every node then: no new query), by the QCID of the chosen set (Fed-CBS,
 :mod:`tasks.client_sampling`). ``scala.selection-rule``: ``cbs`` (default [ours]) draws the
 clients one after another from Fed-CBS's step probabilities (``P_1(n) ~ 1/QCID({n}) + lambda
 sqrt(3 ln(t+1) / (2 T_n))``, ``P_2(n) ~ QCID({c_1, n})^-2 / P_1(n)``, ``P_k(n) ~
 QCID(S_{k-1})^(k-1) / QCID(S_{k-1} + {n})^k``; t the 0-based round, T_n = 1 + the node's past
 selections, lambda = ``scala.selection-lambda`` = 10 as Fed-CBS), seeded by ``derive_seed(seed,
-"cs-sfl-sample", round)``; ``greedy`` (B6's [R] wording) takes the most probable first pick (its
+"cs-sfl-sample", round)``; ``greedy`` (a deterministic variant, our choice) takes the most probable first pick (its
 UCB score, so that every client is eventually picked) and then each time the client that
 minimises the QCID of the set so far plus it (ties: partition order). Nodes without a
 histogram (or with an empty one) are chosen only when too few have one (uniformly, seeded).
 T_n is kept by partition id in the checkpoint. The switch works with every server mode
-(B6: "expose V1 and V2": ``algo='splitfed-v2' scala.balanced-selection=true``); ``cs-sfl``
-fixes it on SplitFedV1 (B6 [R]). Round metric ``sampled-qcid``. The wireless resource
-allocation of the original is not modelled (B6 [R]).
+(both SplitFed versions: ``algo='splitfed-v2' scala.balanced-selection=true``); ``cs-sfl``
+fixes it on SplitFedV1 (our choice). Round metric ``sampled-qcid``. The wireless resource
+allocation of the original is not modelled.
 
 Client contract (:mod:`split_layer.worker`, ``query`` messages with ``config.op``):
 ``split-info`` -> reply ``split-tensors["histogram"]`` (int64 [M]) and config
@@ -364,7 +367,7 @@ class ScalaStrategy(SplitStrategy):
         else:
             rows = F.cross_entropy(logits, y, reduction="none")
         weights = torch.cat([torch.full((b,), 1.0 / b, device=logits.device) for b in sizes])
-        loss_cli = (rows * weights).sum()   # sum_k L_k, each a mean over its own B_k rows (spec 8.2)
+        loss_cli = (rows * weights).sum()   # sum_k L_k, each a mean over its own B_k rows (SCALA Eq. 6 as written)
         params = [p for p in self.top.parameters() if p.requires_grad]
         g_top = torch.autograd.grad(loss_srv, params, retain_graph=True)
         (g_act,) = torch.autograd.grad(loss_cli, acts)
@@ -414,7 +417,7 @@ _STATE_AUX_LOSS = "split.x.aux-loss"
 
 def make_aux_head(act_shape, num_classes: int) -> torch.nn.Sequential:
     """SFLLocalLoss's auxiliary head a_k for any model: flatten + one linear layer from the cut's
-    activation (``act_shape`` without the batch dimension) to the classes (B5 [R])."""
+    activation (``act_shape`` without the batch dimension) to the classes (our choice: it fits any cut)."""
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(act_shape)), int(num_classes)))
 
 
@@ -497,7 +500,7 @@ class SFLLocalLossStrategy(ScalaStrategy):
                          ) -> dict[int, dict[str, torch.Tensor]]:
         """One SGD step of the server part per client, on that client's (A_k, Y_k) with plain CE,
         the clients in a seeded random order (``derive_seed(seed, "sfl-local-loss-order", round,
-        step)``, B5 [R]); nothing goes back."""
+        step)``, our choice); nothing goes back."""
         nodes = self.order(payloads)
         rng = np.random.default_rng(derive_seed(self.task.seed, "sfl-local-loss-order", self._round, step))
         self.top.train()

@@ -1,13 +1,13 @@
 """SCALA-PE: SCALA whose clients also make their activations hard to invert (ResSFL's regularizer).
 
 Papers: J. Yang, Y. Liu, "SCALA: Split Federated Learning with Concatenated Activations and
-Logit Adjustments" (spec ``shared/specs/scala.md`` Section 6, Table VI), following J. Li,
+Logit Adjustments" (Sec. 5.7, Table VI), following J. Li,
 A. S. Rakin, X. Chen, Z. He, D. Fan, C. Chakrabarti, "ResSFL: A Resistance Transfer Framework
 for Defending Model Inversion Attack in Split Federated Learning", CVPR 2022, pp. 10194-10202
 (authors' code github.com/zlijingtao/ResSFL, read for the choices below: ``MIA_torch.py``
 ``train_target_step`` / ``gan_train_step``, ``architectures_torch.py`` ``conv_normN_AE``,
 ``vgg.py`` ``make_layers``, ``reproduce/table2`` scripts). Marks: [P] the SCALA paper, [C]
-ResSFL's code, [R] our spec's recommendation, [ours] a choice the sources leave open.
+ResSFL's code, [ours] a choice the sources leave open (``docs/baselines.md`` B7).
 
 Server: SCALA's, unchanged (:class:`strategies.scala.ScalaStrategy` with its switches fixed to
 ``server-mode = concat`` and ``logit-adjust = true``): concatenated activations, one server
@@ -29,7 +29,7 @@ Client k, split step i of a round, batch (x, y) of B_k images, A = h(w_c; x) the
     the ``pytorch_ssim`` package ResSFL uses; :func:`tasks.inversion.batch_ssim`, equal to
     :func:`tasks.inversion.ssim` with ``padding="same"``, in float32 with a separable window),
     x in [0, 1];
-  - ``neg-mse`` (scala.md's [R], ResSFL's MSE mode [C]): ``Rq = -MSE(w_v(A), x)``;
+  - ``neg-mse`` (ResSFL's MSE mode [C]): ``Rq = -MSE(w_v(A), x)``;
 
   w_v is frozen (eval mode, its BatchNorm on running statistics) in this term, as in the code;
 * the simulated attacker w_v (ResSFL ``conv_normN0C16`` [C], :class:`SimulatedInverter`):
@@ -43,12 +43,12 @@ Client k, split step i of a round, batch (x, y) of B_k images, A = h(w_c; x) the
   rounds), if ``n % scala-pe.inverter-interval == 0`` (5 [C]), w_v takes
   ``scala-pe.inverter-steps`` (1 [C]) Adam steps (lr ``scala-pe.inverter-lr`` = 1e-3 [C]) on the
   same batch: minimise ``-SSIM(w_v(A), x)`` (``rq = ssim``) or ``MSE(w_v(A), x)`` (``neg-mse``),
-  as the code does in each mode (the spec's [R] says MSE for both); [ours] A is the activation
+  as the code does in each mode; [ours] A is the activation
   the server receives (training-mode BatchNorm; the code recomputes it in eval mode), and a
   batch of one is skipped (w_v's BatchNorm cannot train on it);
 * gamma (``scala-pe.gamma``): 0.3, ResSFL's ``regularization_strength`` with ``ssim_threshold
-  0.5`` in its table-2 scripts [C] (SCALA gives none [P]; [R]: sweep it to a ~2-point accuracy
-  cost). ``gamma = 0`` gives exactly SCALA's weights (w_v still trains, and is reported).
+  0.5`` in its table-2 scripts [C] (SCALA gives none [P]; a sweep trades accuracy for
+  reconstruction quality). ``gamma = 0`` gives exactly SCALA's weights (w_v still trains, and is reported).
 
 What travels: exactly SCALA's (the activations, the labels, the gradients, the bottoms); w_v and
 its optimizer stay on the node. Client contract: SCALA's (:mod:`strategies.scala`), plus reply

@@ -3,9 +3,8 @@
 Paper: E. Diao, J. Ding, V. Tarokh, "SemiFL: Semi-Supervised Federated Learning for Unlabeled
 Clients with Alternate Training", NeurIPS 2022 (arXiv:2106.01432); code
 github.com/diaoenmao/SemiFL-Semi-Supervised-Federated-Learning-for-Unlabeled-Clients-with-Alternate-Training
-(``src/train_classifier_ssfl.py``, ``src/modules/modules.py``). Recipe:
-``../shared/specs/baselines.md`` A1. A comparison row of Semi-SFL (``semisfl.md`` §7-8, Tables II,
-IV, V). **Not** :mod:`strategies.semisfl`, which is Semi-SFL (Sun et al.), another paper.
+(``src/train_classifier_ssfl.py``, ``src/modules/modules.py``); ``docs/baselines.md`` A1. A
+comparison row of Semi-SFL (the Semi-SFL paper's Sec. V-B, Tables II, IV, V). **Not** :mod:`strategies.semisfl`, which is Semi-SFL (Sun et al.), another paper.
 
 Setting: the server holds the labeled set D_S (``server-labels``, label mode ``"server"``); the
 clients hold only unlabeled, possibly non-IID data. One global model w, evaluated on the
@@ -59,7 +58,7 @@ Choices the sources leave open, ours:
   and the server ``semifl.server-steps`` (the row: 50, batch 64); the authors run E = 5 epochs
   over F with batch 10 and E_S = 5 epochs over D_S.
 * [ours] ``semifl.server-first`` (default false, the authors' code): one server fine-tuning stage
-  (and sBN) before round 1's clients, as baselines.md A1 [R] recommends (in the code round 1
+  (and sBN) before round 1's clients (in the code round 1
   pseudo-labels come from the random model, so nearly every client skips it). The Semi-SFL
   row sets it true.
 * [ours] round 1 sends the initial model as it is (the code recomputes its BN statistics on
@@ -128,7 +127,7 @@ LABEL_METRICS = ("fix-correct",)
 
 @dataclass(frozen=True)
 class SemiFLConfig:
-    """``semifl.*`` run-config keys (defaults: the authors' code, baselines.md A1)."""
+    """``semifl.*`` run-config keys (defaults: the authors' code; ``docs/baselines.md`` A1)."""
 
     tau: float = knob(0.95, lo=0.0, hi=1.0, help="confidence threshold of the fix set (max softmax >= tau)")
     mix_alpha: float = knob(0.75, lo=0.0, lo_open=True, help="a of the Mixup weight lam ~ Beta(a, a)")

@@ -2,7 +2,9 @@
 and an adaptive global updating frequency K_s.
 
 Paper: Z. Sun, Y. Xu, H. Xu, Z. Wang, Y. Liao, "Efficient Semi-Supervised Federated
-Learning for Heterogeneous Participants" (Semi-SFL). Recipe: ``specs/semisfl.md``.
+Learning for Heterogeneous Participants" (Semi-SFL): system design Sec. III, Eqs. 1-8, the K_s
+rule Sec. IV-B (Eq. 9, Algorithm 1). Choices marked "ours" are the library's where the paper is
+silent; ``docs/semisfl.md`` ("Deviations from the paper") lists them.
 
 Setting
 -------
@@ -15,10 +17,11 @@ architecture. The result is the **global teacher** (w~_c, w~_s) (``eval_model``)
 Round h (server side, :class:`tasks.semisfl_server.SemiSFLServer`)
 -----------------------------------------------------------------
 A. K_s^h supervised steps on the PS, each on a labeled batch (x, y) of
-   ``labeled-batch-size`` on the ``labeled-view`` (strong [R]):
+   ``labeled-batch-size`` on the ``labeled-view`` (strong, ours: Sec. III says strong augmentation
+   helps supervised training, the setup names only weak augmentation):
    e = w_c(x), l_s = H_s + T with H_s = CE(w_s(e), y) and the supervised contrastive loss
    T_j = -(1/|P(j)|) sum_{p in P(j)} log[exp(z_j.z_p/kappa) / sum_{a in A(j)} exp(z_j.z_a/kappa)],
-   z = normalize(w_p(e)); references A(j) = batch minus j plus the queue Q [R]; P(j) = same
+   z = normalize(w_p(e)); references A(j) = batch minus j plus the queue Q (ours); P(j) = same
    label (``supcon-queue-positives``: by default only confident queue entries, c > tau,
    level 1 always; ``all`` = the literal Eq. 3, which lets the unconfident level-2 entries
    be positives); one SGD step on (w_c, w_s, w_p); then the whole teacher
@@ -30,19 +33,22 @@ C. K_u fused cross-entity iterations. Client i sends the student features
    e_i = w_{c,i}(a_s(x)) and the teacher features e~_i = w~_{c,i}(a_w(x)) (no grad) of the
    same unlabeled batch. At the barrier the PS computes for every client the teacher path
    q~ = softmax(w~_s(e~_i)), yhat = argmax q~, c = max q~, z~ = w~_p(e~_i) and pushes
-   (z~, yhat, c) into queue level 2 (before the losses [R], §9.3); then per client
+   (z~, yhat, c) into queue level 2 (before the losses, ours: a sample's own teacher view
+   can then be a positive); then per client
    l_u = H_u + C with
    H_u = (1/d_i) sum_j 1[c_j > tau] CE(w_s(e_j), yhat_j)                        (Eq. 1)
    C_j = -(1/|P^(j)|) sum_{p in P^(j)} log[exp(z_j.z~_p/kappa) / sum_{a in Q} exp(z_j.z~_a/kappa)]
    with P^(j) = {p in Q: c_p > tau, yhat_p = yhat_j}, z_j = w_p(e_j), over ALL samples j;
-   C = (1/d_i) sum_j C_j, those with empty P^(j) contributing 0 [R].             (Eq. 5)
+   C = (1/d_i) sum_j C_j, those with empty P^(j) contributing 0 (ours).        (Eq. 5)
    Gradient routing: H_u reaches w_s and e_i, C reaches w_p and e_i, so C never updates
    w_s. Client i gets de_i = d l_u / d e_i (its own, unscaled). The PS then takes ONE step
    on (w_s, w_p) with the gradients averaged over the clients of the barrier (Eq. 7) and
-   EMA-updates w~_s, w~_p [R] (§9.4).
+   EMA-updates w~_s, w~_p (ours: Eq. 8 EMA-updates only the bottom, which would leave the
+   teacher's top fixed during stage C).
    Client i backpropagates de_i through w_{c,i}, steps, and updates its teacher bottom
    w~_{c,i} <- gamma w~_{c,i} + (1-gamma) w_{c,i} (Eq. 8).
-D. Clients return w_{c,i}; w_c <- (1/N_h) sum_i w_{c,i} (uniform over the replies [R]).
+D. Clients return w_{c,i}; w_c <- (1/N_h) sum_i w_{c,i} (uniform over the replies; the paper's
+   1/N runs over "all" clients, but only the active ones upload).
    Client teacher bottoms are discarded; the PS keeps w~_c from stage A.
 E. K_s controller (:class:`tasks.semisfl_server.KsController`, Eq. 9): lhat <- m lhat + (1-m) mean(l_s over the
    round); Delta = mean of the last ``window`` lhat values minus the mean of the ``window``
@@ -50,7 +56,7 @@ E. K_s controller (:class:`tasks.semisfl_server.KsController`, Eq. 9): lhat <- m
    rounded and clamped to [1, ks-max-factor * K_s^1].
 
 Switch-variants (``ALGORITHMS``): ``semisfl-no-cluster`` is the FedSwitch-SL-style
-ablation of spec §7 (l_u = H_u, l_s = H_s, fixed K_s), ``semisfl-fixed-ks`` the
+ablation of the paper's Sec. V-B (l_u = H_u, l_s = H_s, fixed K_s), ``semisfl-fixed-ks`` the
 controller ablation.
 
 Client contract (:mod:`split_layer.worker`, ``query`` messages with ``config.op``)
@@ -129,7 +135,8 @@ PL_COUNTS = ("pl-samples", "pl-wrong", "pl-confident", "pl-wrong-confident")
 # --------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class SemiSFLConfig:
-    """Run-config keys ``semisfl.<key>``; defaults are the spec's [P]/[R] values."""
+    """Run-config keys ``semisfl.<key>``; defaults are the paper's (Sec. V-C) where it gives them,
+    otherwise the library's (``docs/semisfl.md``)."""
 
     k_s: int = knob(50, lo=1, help="initial K_s: server supervised steps per round")
     k_u: int = knob(50, lo=1, help="K_u: cross-entity iterations per round")
@@ -274,7 +281,7 @@ class SemiSFLStrategy(SplitStrategy):
         return out
 
     def aggregate(self, server_round: int, finals: dict[int, Envelope]) -> dict[str, Any]:
-        nodes = self.order(finals)  # stage D: uniform mean over the replies [R]
+        nodes = self.order(finals)  # stage D: uniform mean over the replies
         new = weighted_mean([finals[n].arrays["bottom"] for n in nodes], [1.0] * len(nodes))
         load_bottom_state(self.model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()},
                           self.cut)
@@ -296,7 +303,7 @@ class SemiSFLStrategy(SplitStrategy):
     eval_name = "teacher"
 
     def eval_model(self) -> torch.nn.Module:
-        return self.core.teacher  # the global teacher (w~_c, w~_s) [P]
+        return self.core.teacher  # the global teacher (w~_c, w~_s), as the paper tests
 
     def also_evaluated(self) -> dict[str, torch.nn.Module]:
         return {"student": self.model}

@@ -3,14 +3,15 @@
 Paper: Z. Zhang, Z. Yao, Y. Yang, Y. Yan, J. E. Gonzalez, M. W. Mahoney,
 "Benchmarking Semi-supervised Federated Learning" (2020), code
 github.com/jhcknzzm/SSFL-Benchmarking-Semi-supervised-Federated-Learning.
-Recipe: ``specs/ssfl_benchmark.md`` (section numbers below refer to it).
+Section and equation numbers below are the paper's; the library's own choices where it is
+silent are in ``docs/ssfl.md`` ("Decisions and deviations").
 
-Setting (§1): the server holds N_s class-balanced labeled samples (``server-labels``,
+Setting (Sec. 3.1): the server holds N_s class-balanced labeled samples (``server-labels``,
 label mode ``"server"``); the K users hold only unlabeled data, class-skewed to a
 target non-IID level R (``partition='ssfl-r'``, ``partition-r``). One global model;
 the server's own model is a member of every average.
 
-One communication period of T local iterations (§2) = one Flower round:
+One communication period of T local iterations (Sec. 3.1, 3.3) = one Flower round:
 
 1. Every sampled user (C_k of K, ``fraction-train``) receives the trainable
    parameters of its group's average w_avg,i (w_avg when S = 1) and runs T SGD steps
@@ -28,25 +29,27 @@ One communication period of T local iterations (§2) = one Flower round:
 
 2. The server runs T SGD steps of cross-entropy on its labeled data (weak view, Eq. 2),
    starting from w_avg -- :func:`tasks.training.train_supervised`.
-3. Averaging over the trainable parameters only (§2 "Normalization"):
+3. Averaging over the trainable parameters only (our reading of Sec. 3.3 "Normalization": BN
+   statistics differ across non-IID users):
 
    * S = 1 (Eq. 5): ``w_avg = (w_s + sum_{k in C_k} w_k) / (|C_k| + 1)``;
    * S > 1 (Eq. 6, ``ssfl.groups``): ``w_avg,i = (w_s + sum_{k in G_i} w_k)/(|G_i|+1)``,
      ``w_avg = (1/S) sum_i w_avg,i``; group G_i is sent w_avg,i next round and the
      server continues from w_avg. Groups are fixed and contiguous in the users'
-     ``partition-id`` (§10.4), learned once per node with the library's ``node-info`` query
+     ``partition-id`` (the paper does not say how groups form; the
+     authors' code fixes them by index), learned once per node with the library's ``node-info`` query
      (:meth:`strategies.base.BaseStrategy.learn_partitions`).
      A group without participants this round has w_avg,i = w_s (authors' code).
 
    BatchNorm buffers never travel: each user keeps its own running statistics in
    ``context.state``; the server's come from its labeled data and are the ones used to
-   evaluate w_avg on the test set (§10.6). With ``norm='gn'`` there are no buffers.
-4. Weight diversity (Eq. 7, §5) on the classifier layer
+   evaluate w_avg on the test set [ours]. With ``norm='gn'`` there are no buffers.
+4. Weight diversity (Eq. 7, Sec. 4.2) on the classifier layer
    (``StagedModel.classifier_prefix``), with update vectors u_i = w_i - (the model user
    i received): ``weight-diversity`` = sum_i ||u_i||^2 / ||sum_i u_i||^2 and
    ``weight-diversity-k`` = K times it (the authors' plotted convention).
 
-Learning rate (§6, Eq. 10), ``ssfl.lr-schedule='cosine'``: every party uses
+Learning rate (Appendix A.3, Eq. 10), ``ssfl.lr-schedule='cosine'``: every party uses
 ``gamma_t = lr * max{cos(pi c (t - w)/(H - w)), eps}`` with linear warmup from 0 before
 t = w, where t is the GLOBAL iteration (round r, local step i: t = (r-1) T + i) and
 w = ``lr-warmup`` x (num-rounds x T), H = ``lr-horizon`` x (num-rounds x T). So the
@@ -133,7 +136,7 @@ LOCAL_STATE_KEY = "ssfl.local"   # context.state ArrayRecord: the user's BN buff
 
 @dataclass(frozen=True)
 class SSFLConfig:
-    """``ssfl.*`` run-config keys (defaults: the paper's EMNIST setting, §6-§7)."""
+    """``ssfl.*`` run-config keys (defaults: the paper's EMNIST setting, Sec. 4 and Appendix A.3)."""
 
     tau: float = knob(0.95, lo=0.0, hi=1.0, help="confidence threshold of the pseudo-labels (Eq. 3, 4)")
     user_loss: str = knob("crl", choices=("crl", "self-training"),
@@ -336,7 +339,7 @@ class SSFLStrategy(BaseStrategy):
 
     # ---------------------------------------------------------------- groups
     def group_of(self, node: int) -> int:
-        """Fixed contiguous group of a node by its partition-id (§10.4); 0 when S = 1."""
+        """Fixed contiguous group of a node by its partition-id (as the authors' code); 0 when S = 1."""
         s = self.cfg.groups
         if s == 1:
             return 0

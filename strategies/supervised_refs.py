@@ -1,5 +1,5 @@
 """FedAvg-SL, FedProx-SL, FedBN-SL: the privileged-label references of UM-pFSSL's Table 1
-(spec ``umpfssl.md`` §7; ``baselines.md`` C6).
+(the UM-pFSSL paper's Sec. 6.1, Table 1; ``docs/baselines.md`` C6).
 
 The standard methods trained with plain cross-entropy on **fully labeled** client data: the
 node's labeled split D_k^s united with its unlabeled split D_k^u **with D_k^u's true labels**
@@ -12,7 +12,7 @@ defines every other row is kept, not redrawn.
   Local SGD on CE from the global w; ``w <- sum_k n_k w_k / sum_k n_k`` (every entry).
 * ``fedprox-sl`` -- FedProx: T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar, V. Smith,
   "Federated Optimization in Heterogeneous Networks", MLSys 2020. FedAvg-SL plus
-  ``mu/2 ||w - w^t||^2`` in every local step (``umpfssl.prox-mu``, 0.01: baselines.md C6 [R]).
+  ``mu/2 ||w - w^t||^2`` in every local step (``umpfssl.prox-mu``, 0.01, FedProx's default here too).
 * ``fedbn-sl`` -- FedBN: X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou, "FedBN: Federated Learning
   on Non-IID Features via Local Batch Normalization", ICLR 2021. Every BatchNorm layer
   (parameters and buffers, found by module type) stays on the node; the uniform mean of
@@ -30,7 +30,7 @@ unlabeled images without labels (y = -1) are a ``ConfigError`` (run fixavg / fix
 
 [ours] Local training is :func:`tasks.training.train_supervised` on the weak view (as every
 supervised loop here), ``local-epochs`` passes over D_k^s + D_k^u (or ``local-steps``), the run's
-optimizer, no warm-up (baselines.md C6 [R]).
+optimizer, no warm-up.
 """
 from __future__ import annotations
 

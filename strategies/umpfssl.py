@@ -1,7 +1,8 @@
 """UM-pFSSL: personalized federated semi-supervised learning with uncertainty-selected helpers.
 
 Paper: Y. Shi, S. Chen, H. Zhang, "Uncertainty Minimization for Personalized Federated
-Semi-Supervised Learning" (spec: ``specs/umpfssl.md``). The paper's FixMatch baselines
+Semi-Supervised Learning" (method: Sec. 4, Algorithms 1-2; choices where it is silent:
+``docs/umpfssl.md``). The paper's FixMatch baselines
 (``fixavg``, ``fixprox``, ``fedper-fix``, ``local-only``) are :mod:`strategies.fixmatch_baselines`,
 on this module's config (``mode`` fixed) and evaluation. Every variant is evaluated the same way: each client's model on that
 client's own test split; the run's ``accuracy`` is the mean over clients and
@@ -22,7 +23,7 @@ Math (MC-dropout, Eqs. 9-14)
 ----------------------------
 * ``P_j(y|x) = 1/T sum_t softmax(f_{w_j, mask_t}(x))``, ``H_j(x) = -sum_c P_c log P_c``
   (``tasks.mc_dropout.mc_dropout_predict``: dropout on, BatchNorm in eval mode).
-* ``Hbar(k|j) = mean_{x in D_k^u} H_j(x) / log C``, clamped ``>= entropy-floor`` ([R]: the
+* ``Hbar(k|j) = mean_{x in D_k^u} H_j(x) / log C``, clamped ``>= entropy-floor`` (our choice: the
   paper sums over x; the mean keeps Hbar in [0, 1] as its Section 5 assumes;
   ``tasks.mc_dropout.normalized_entropy``).
 * ``Corr(k|j) = (1 - mu_k) / Hbar(k|j) + mu_k * Acc(D_k^s; argmax P_j)``; the first term is
@@ -32,7 +33,8 @@ Math (MC-dropout, Eqs. 9-14)
 * Aggregation: ``w_k <- sum_{j in H_k} Corr(k|j) w_j / sum_j Corr(k|j)``
   (``tasks.aggregate.personalized_weighted``; self with its current weights).
 * Pseudo-labels: ``yhat(x) = P_{j*}(y|x)``, ``j* = argmin_{j in H_k} H_j(x)`` (soft), with
-  self = the freshly aggregated w_k (spec ambiguity 4; ``tasks.mc_dropout.select_pseudo_labels``).
+  self = the freshly aggregated w_k (the paper does not say which "self" labels; this one is the
+  model the client trains next; ``tasks.mc_dropout.select_pseudo_labels``).
 * Local training, E epochs: one pass over labeled batches with ``mu_k * CE`` then one pass
   over unlabeled batches with ``(1 - mu_k) * KL(yhat || f_{w_k}(x))``
   (``tasks.losses.kl_to_target``), weak augmentation, dropout on (``tasks.distill.train_distill``).
@@ -145,7 +147,8 @@ STATE_MODEL = "umpfssl.model"       # ArrayRecord: local-only's model
 
 @dataclass(frozen=True)
 class UMPFSSLConfig:
-    """UM-pFSSL knobs (``umpfssl.*``); defaults from the paper / spec §5."""
+    """UM-pFSSL knobs (``umpfssl.*``); defaults from the paper (Sec. 6.1) or, where it gives none,
+    the library's (``docs/umpfssl.md``)."""
 
     mode: str = knob("umpfssl", choices=MODES, help="set by the algorithm name; baselines are switches")
     helpers: int = knob(5, lo=1, help="helper-list size M, self included")
@@ -427,7 +430,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         """One round: select helpers, train, upload into the pool. The uploads are taken together
-        rather than folded (issue 30): each client's model goes into the pool that every client's
+        rather than folded: each client's model goes into the pool that every client's
         personalised aggregation reads from (the paper's per-client weighted aggregation over its
         helpers), so the server keeps every participant's model by design."""
         cfg, t = self.cfg, server_round
