@@ -47,12 +47,11 @@ on 32x32, a quarter of the image's area) at a uniform centre, clipped at the bor
 filled with gray 127. This is the authors' code: FixMatch-pytorch's ``RandAugmentMC``
 ends with ``CutoutAbs(img, int(32 * 0.5))``, 16 px on its 32x32 images.
 
-The previous policy (torchvision's ``v2.RandAugment`` with magnitudes up to its maximum,
-bins 1..30 of 31: translation up to 0.45 of the width, rotation up to 30 degrees..., each
-op always applied, then the same half-size Cutout) was measured too strong for 28x28
-digits: ``bench/augment_strength.py`` (CNN trained on clean MNIST-5k, 3 epochs) gave
-0.967 clean, 0.684 weak, 0.471 on this policy's strong views (0.532 with a 7-px Cutout)
-and 0.395 on the old.
+torchvision's ``v2.RandAugment`` with magnitudes up to its maximum (bins 1..30 of 31:
+translation up to 0.45 of the width, rotation up to 30 degrees..., each op always applied,
+then the same half-size Cutout) is too strong for 28x28 digits: ``bench/augment_strength.py``
+measures how much accuracy each view costs a model trained on clean images
+(docs/benchmarks.md, "Augmentation strength").
 
 Randomness
 ----------
@@ -254,7 +253,7 @@ class Augmenter:
         # The op pool the op ids index (tests may narrow it to one op).
         self._ops: tuple[str, ...] = STRONG_OPS
         # torchvision's functional module, imported on the first strong call: importing
-        # torchvision costs ~1.5 s, paid by every ClientApp process in a deployment, and
+        # torchvision is slow, paid by every ClientApp process in a deployment, and
         # only the strong view needs it.
         self._tv = None
 

@@ -275,10 +275,9 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
 def eval_batch_size(device: torch.device) -> int:
     """The batch of an evaluation pass (:func:`evaluate`) on ``device``: 500 on a GPU, 64 on the CPU.
 
-    On the CPU a large batch's activations leave the cache: one pass over 1,000 images of 1x28x28
-    at one thread takes 11.5 s at 500 and 8.0 s at 64 for ``resnet18``, 7.6 / 5.9 s for
-    ``resnet9``, 14.3 / 11.6 s for ``cnn13``; 0.24-0.35 s at any batch for ``cnn`` and
-    ``vgg11-small`` (``bench/eval_batch.py``, docs/benchmarks.md)."""
+    On the CPU a large batch's activations leave the cache, so the larger models evaluate faster
+    in batches of 64; the small ones do not care (``bench/eval_batch.py``; docs/benchmarks.md,
+    "Evaluation batch size")."""
     return 500 if device.type == "cuda" else 64
 
 

@@ -2,7 +2,7 @@
 
 Each calls the matching function on the dataset's label column (``partition_by``), once,
 and ``load_partition`` selects those rows. Importing this module imports flwr-datasets
-(``datasets`` and plotting code, ~3 s), so :mod:`tasks.partition` imports it only when one
+(``datasets`` and plotting code, a slow import), so :mod:`tasks.partition` imports it only when one
 of these classes is asked for.
 """
 from __future__ import annotations
