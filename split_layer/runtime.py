@@ -260,8 +260,8 @@ class SplitRuntime:
 
     def aggregate_bottoms(self, finals: dict[int, Envelope]) -> None:
         """The ``|D_k|``-weighted mean of the final bottoms, in partition order. A split round
-        holds its participants' finals until it ends rather than folding each as it arrives
-        (issue 30): its iterations already need every participant at once (SCALA and CA-SFL
+        holds its participants' finals until it ends rather than folding each as it arrives:
+        its iterations already need every participant at once (SCALA and CA-SFL
         concatenate all their activations in each server step; the sequential variants order the
         nodes), and a bottom is the few layers below the cut, not the model."""
         nodes = self.order(finals)

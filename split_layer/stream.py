@@ -1,7 +1,8 @@
 """A low-latency channel for split exchanges: one gRPC bidirectional stream per node and round.
 
-Flower messages cost about 0.1 s per exchange in simulation and several seconds in a
-deployment (polling, and a new ClientApp process per message). With
+Each Flower message waits on the polling of Flower's LinkState and, in a deployment, on a new
+ClientApp process (the figures, with their commands: ``docs/benchmarks.md``, "Split-learning
+overhead per exchange"). With
 ``split-transport='stream'`` Flower carries only what it is good at -- the start of a
 client's split round (node sampling, the bottom weights, authentication of the node) and
 the round's final bottom weights in the reply -- while the ``I`` per-iteration exchanges
@@ -27,7 +28,7 @@ the split runtime and the algorithms do not change); the client side is :class:`
 Frames are :func:`encode` d as ``MAGIC | u32 header length | JSON header | raw tensor
 bytes`` (dtype whitelist, sizes checked on :func:`decode`); no pickle ever crosses the wire.
 
-Security (issue 14; threat model and tests in ``docs/bad-input.md``): the secret is 256
+Security (threat model and tests in ``docs/bad-input.md``): the secret is 256
 random bits per node and round. A client presents it in the **call metadata**
 (``x-flowerssl-node``, ``x-flowerssl-token-bin``), and a server interceptor checks it -- as
 bytes, in constant time, also for unknown nodes -- before any handler runs or any frame is

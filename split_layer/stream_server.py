@@ -1,6 +1,6 @@
 """The ServerApp's end of the split stream: a gRPC server with one bidirectional-stream method.
 
-Security (issue 14; threat model and tests in ``docs/bad-input.md``): a server interceptor
+Security (threat model and tests in ``docs/bad-input.md``): a server interceptor
 checks each call's node and token (:mod:`split_layer.stream_security`) before any handler
 runs or any frame is read: an unauthenticated call is refused at once (``UNAUTHENTICATED``,
 reason logged), so it never holds a worker thread or waits on the network, and no

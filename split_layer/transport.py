@@ -3,7 +3,7 @@
 Algorithms and the runtime speak :class:`Envelope` s (named tensors, named state dicts,
 a small config, reply metrics) through a :class:`Transport`: one call = one exchange
 (one message to each addressed node, one reply back, failures dropped). A faster channel
-(a gRPC stream, issue 9) replaces :class:`FlowerTransport` without touching algorithms.
+(a gRPC stream, :mod:`split_layer.stream`) replaces :class:`FlowerTransport` without touching algorithms.
 
 * :class:`FlowerTransport` -- Flower messages (``query.<action>`` messages),
   pushed and polled by :meth:`strategies.base.BaseStrategy.exchange` (fault handling:
