@@ -1,7 +1,7 @@
 """How destructive is each view? Accuracy of a model trained on clean MNIST-5k, tested on
 augmented views of the 1,000 held-out images (a probe, not a test).
 
-    python bench/augment_strength.py                 # MLP and CNN, about 1-3 minutes on 2 cores
+    python bench/augment_strength.py                 # MLP and CNN
     python bench/augment_strength.py --models mlp    # MLP only
 
 A model (``tasks.models.build_model``: ``mlp`` / ``cnn``, BatchNorm) is trained with plain
@@ -16,7 +16,8 @@ SGD for a few epochs on the clean, test-normalised 4,000 training images of the 
   ``tasks.env.make_augmenter`` builds it;
 * ``strong, cutout 0.25``: the same policy with a quarter-size Cutout (7 px);
 * ``strong, no cutout``: the policy alone;
-* ``old strong``: the previous policy, reproduced here: weak crop, then per sample
+* ``old strong``: the policy ``tasks.augment`` does not use (too strong for digits), reproduced
+  here: weak crop, then per sample
   torchvision ``v2.RandAugment(num_ops=1)`` twice, each at a magnitude bin drawn from 1..30
   (of 31) and always applied, then a 14-px Cutout filled with 127.
 

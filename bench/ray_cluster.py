@@ -1,4 +1,4 @@
-"""Flower's simulation engine on a multi-node Ray cluster (issue 30): a two-node cluster on this
+"""Flower's simulation engine on a multi-node Ray cluster: a two-node cluster on this
 machine, a few rounds of a full-model and a split algorithm on it, every process stopped.
 
 Flower's Ray backend calls ``ray.init()`` without an address, so it joins the cluster named by

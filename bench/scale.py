@@ -1,4 +1,4 @@
-"""Server memory and round time against the number of sampled clients (issue 30), side by side with
+"""Server memory and round time against the number of sampled clients, side by side with
 Flower's own FedAvg (a benchmark, not a test).
 
 Both sides run in Flower's simulation engine (``flwr.simulation.run_simulation``, 1 CPU per

@@ -205,8 +205,8 @@ def semisfl_config(rounds: int) -> dict:
 
 
 #: the ways an exchange can wait for replies (``BaseStrategy.poll_interval``): every 10 ms
-#: throughout (before the seventh session), backing off from the first pull (seventh session),
-#: and every 10 ms for the first 0.4 s after a reply, then backing off (now)
+#: throughout, backing off from the first pull, every 10 ms for the first 0.1 s after a reply
+#: then backing off, and the same with 0.4 s (the library's default)
 POLL_VARIANTS = {"fixed 10 ms": float("inf"), "backoff from the push": 0.0, "10 ms for 0.1 s, then backoff": 0.1,
                  "10 ms for 0.4 s, then backoff": 0.4}
 
