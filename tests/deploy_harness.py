@@ -69,7 +69,7 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
 
 
 def make_certificates(folder: Path) -> dict[str, Path]:
-    """A throw-away CA and a server certificate for 127.0.0.1/localhost (field guide §7)."""
+    """A throw-away CA and a server certificate for 127.0.0.1/localhost (the commands of docs/deployment.md, "Start the SuperLink")."""
     folder.mkdir(parents=True, exist_ok=True)
     ca_key, ca_crt = folder / "ca.key", folder / "ca.crt"
     key, csr, crt, ext = folder / "server.key", folder / "server.csr", folder / "server.crt", folder / "server.ext"

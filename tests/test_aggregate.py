@@ -207,7 +207,7 @@ def _quadratic_toy(server: str, correction: bool, rounds: int = 300, d_sign: flo
             x = new["x"].copy()
             dk = d[k]["x"] if d[k] is not None else 0.0
             for _ in range(taus[k]):
-                x = x - eta * (a[k] * (x - b[k]) + d_sign * dk)  # spec: theta -= eta (g - d_k)
+                x = x - eta * (a[k] * (x - b[k]) + d_sign * dk)  # the local step: theta -= eta (g - d_k)
             uploads[k] = {"x": x}
         prev = new
     return float(np.linalg.norm(prev["x"] - x_star))
@@ -215,7 +215,7 @@ def _quadratic_toy(server: str, correction: bool, rounds: int = 300, d_sign: flo
 
 def test_quadratic_toy_fednova_with_correction_is_unbiased():
     assert _quadratic_toy("fednova", True) < 1e-9
-    # every ablation keeps a clear residual bias (fedshvr.md §9 (d))
+    # every ablation keeps a clear residual bias
     assert _quadratic_toy("fedavg", False) > 1e-2
     assert _quadratic_toy("fednova", False) > 1e-2
     assert _quadratic_toy("fedavg", True) > 1e-2

@@ -25,13 +25,13 @@ from tests.test_conformance import NODES, config, state_of
 
 MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scala", "fedshvr": "FedSHVR",
         "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedLC",
-        # the baselines of issue 26: Semi-SFL's, SCALA's, the SSFL benchmark's
+        # the baselines: Semi-SFL's, SCALA's, the SSFL benchmark's
         "semifl": "SemiFL", "fedmatch": "FedMatch", "fedswitch": "FedSwitch", "fedcbs": "FedCBS",
         "fedconcat": "FedConcat", "datasharing": "DataSharing", "easgd": "EASGD", "overlapsgd": "OverlapSGD",
         # UM-pFSSL's Table 1
         "fedavg-sl": "FedAvgSL", "fedprox-sl": "FedProxSL", "fedbn-sl": "FedBNSL", "fixbn": "FixBN",
         "lg-fedavg-fix": "LGFedAvg", "pfedme-fix": "PFedMe",
-        # SCALA's split baselines (issue 27)
+        # SCALA's split baselines
         "sfl-local-loss": "SFLLocalLoss", "cs-sfl": "CSSFL", "minibatch-sfl": "MinibatchSFL", "scala-pe": "ScalaPE"}
 MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic", "fedavg-sl": "supervised_refs",
           "fedprox-sl": "supervised_refs", "fedbn-sl": "supervised_refs", "fixbn": "fedbn",
@@ -196,7 +196,7 @@ def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
         "umpfssl-dropout", "non-square-images"])
 def test_what_a_users_setup_lacks_is_raised_by_the_constructor(build, match, monkeypatch):
     """Each error a user's model and data can cause is raised by the strategy's constructor,
-    naming the keyword, before any Flower call (issue 25)."""
+    naming the keyword, before any Flower call."""
     import flwr.serverapp
     monkeypatch.setattr(flwr.serverapp.Grid, "push_messages", lambda *a, **k: pytest.fail("a Flower call"))
     with pytest.raises(ConfigError, match=match):
@@ -263,7 +263,7 @@ def test_the_progress_line_names_the_loss_it_has_and_never_prints_a_missing_one_
 def test_the_readmes_evaluate_fn_with_test_transform_measures_what_the_library_measures(form):
     """README "Use an algorithm in your own Flower app": an evaluate_fn that feeds the model
     ``strategy.test_transform(x)`` gets the library's own accuracy (to one sample), whether the
-    user's test images are uint8 or floats in [0, 1] (issue 25: 0.2556 against 0.3111 before)."""
+    user's test images are uint8 or floats in [0, 1]."""
     from flwr.app import MetricRecord
 
     from strategies.fedavg import FedAvgClient, FedAvgStrategy

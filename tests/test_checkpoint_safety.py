@@ -1,4 +1,4 @@
-"""Checkpoints are read with ``torch.load(weights_only=True)`` (issue 14): a tampered
+"""Checkpoints are read with ``torch.load(weights_only=True)``: a tampered
 ``checkpoint.pt`` cannot run code on resume; a checkpoint that fails to load is a clear
 error naming the file, and nothing in the run folder is overwritten."""
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_a_bad_checkpoint_is_a_clear_error_runs_nothing_and_overwrites_nothing(t
 
 
 def test_a_run_folder_that_is_a_symbolic_link_is_refused(tmp_path):
-    """Results go where the run config says (issue 24), never through a link elsewhere."""
+    """Results go where the run config says, never through a link elsewhere."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (tmp_path / "results").mkdir()

@@ -113,7 +113,7 @@ def test_conformance_all_nodes_result(algo, monkeypatch):
     grid.handler = lambda msg, ctx: replies.append(dispatch(msg, ctx)) or replies[-1]
     res, rows = run(s, grid)
     # no consent (the default): no reply carries a metric any algorithm computes from labels,
-    # and the server reports none of them (not reported, never 0)  (issue 24)
+    # and the server reports none of them (not reported, never 0)
     label_derived = {k for a in ALGOS for k in get_algorithm(a).label_metrics}
     sent = {k for r in replies if not r.has_error() for rec in r.content.metric_records.values() for k in rec.keys()}
     assert not sent & label_derived, sent & label_derived

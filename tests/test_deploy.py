@@ -9,7 +9,7 @@ iterations and weights), and a bad
 run config as ``flwr run`` reports it. Every process is killed by PID at the end, also on
 failure, and the fixture checks that none is left.
 
-What the other deployment variants proved before (issue 18) is proven here or elsewhere
+What the other deployment variants would prove is proven here or elsewhere
 once: the insecure SuperLink and a full-model algorithm (``fedavg``) in
 ``tests/test_faults.py``'s deployment; ``scala`` over Flower messages and ``ssfl`` through the
 simulation engine (``tests/test_split_equivalence.py``, ``tests/test_ssfl_e2e.py``), whose

@@ -2,17 +2,16 @@
 
 * A SuperNode is killed (SIGKILL, with its superexec and ClientApp children: a crashed
   device) in the middle of round 2 of ``scala`` over the stream with sessions that span the
-  run (issue 17). Its stream breaks, so round 2 finishes with the two others at once; the
+  run. Its stream breaks, so round 2 finishes with the two others at once; the
   survivors keep their one session; the node, restarted with the same ``--node-config``,
   registers under a new node id and gets a new session in round 3, while its old id, still
   listed until its heartbeat expires, is dropped there through Flower's error reply, the
-  path a killed node takes with Flower messages. Until 2026-11-23 the kill was of ``fedavg``
-  (109 s; its round 2 waited for that error reply); one real kill is kept for the suite's
-  time: the message path's handling of the error reply is also checked without a kill
+  path a killed node takes with Flower messages. One real kill is kept, for the suite's
+  time (a killed ``fedavg`` node's round waits for that error reply): the message path's handling of the error reply is also checked without a kill
   (``test_exchange_drops_error_and_missing_replies``), and the split drop-and-continue
   paths in process (``tests/test_split_runtime.py``, ``tests/test_split_sessions.py``,
   ``tests/test_split_stream.py``) and in every algorithm of the conformance matrix.
-* The ServerApp dies in the middle of a round (in process since 2026-11-23: see
+* The ServerApp dies in the middle of a round (in process: see
   ``test_serverapp_dies_then_resumes``); the rerun with ``resume=true run-name=<same>``
   continues after the last completed round: no completed round is lost, none is repeated.
   The same with split stream sessions that span the run:
@@ -69,7 +68,7 @@ def run_log(dep: Deployment, name: str) -> str:
     return (dep.logs / f"flwr-run-{name}.out").read_text(errors="replace")
 
 
-# SCALA over the stream with sessions that span the run (issue 17): ~150 iterations make a
+# SCALA over the stream with sessions that span the run: ~150 iterations make a
 # round last several seconds, so the kill lands inside round 2's session
 SPLIT_SESSION = {"algo": "scala", "split-transport": "stream", "split-stream-session": "run",
                  "scala.local-iterations": 150, "scala.total-batch": 96}
@@ -132,8 +131,8 @@ def test_serverapp_dies_then_resumes(tmp_path, monkeypatch):
     ``resume=true run-name=<same>`` continues after the last completed round: no completed
     round is lost, none is repeated, the completed rows are kept as written, and the run ends
     with the weights of an uninterrupted run. In process (the ServerApp's ``run`` on the
-    in-process grid, the death an exception in round 2): until 2026-11-23 this was a SIGKILL
-    of ``flwr-serverapp`` in a real deployment (71-106 s); what a kill can tear (a checkpoint
+    in-process grid, the death an exception in round 2, not a SIGKILL of ``flwr-serverapp`` in a
+    real deployment, which costs minutes of the suite); what a kill can tear (a checkpoint
     or metrics row half written) is ``test_resume_redoes_a_round_written_but_not_checkpointed``."""
     import torch
 

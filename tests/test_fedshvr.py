@@ -88,7 +88,7 @@ def test_server_update_rules():
     np.testing.assert_allclose(new["rm"], weighted_mean(ups, w)["rm"])  # buffers: plain mean
     plain, _ = fs.server_update(prev, ups, taus, om, normalized=False, param_keys=["w"])
     np.testing.assert_allclose(plain["w"], weighted_mean(ups, w)["w"])
-    # equal tau_k: FedNova == omega-weighted FedAvg (spec §9 (c))
+    # equal tau_k: FedNova == omega-weighted FedAvg
     eq, _ = fs.server_update(prev, ups, [4, 4, 4], om, normalized=True, param_keys=["w"])
     np.testing.assert_allclose(eq["w"], plain["w"], rtol=1e-12)
 
@@ -107,7 +107,7 @@ def test_corrected_step_is_theta_minus_eta_g_minus_d():
 
 
 def _toy(correction: bool, normalized: bool, rounds: int = 60) -> float:
-    """Quadratic toy (spec §9 (d)) run through the strategy's own rules: f_k = a_k/2 ||x - b_k||^2,
+    """Quadratic toy run through the strategy's own rules: f_k = a_k/2 ||x - b_k||^2,
     heterogeneous tau_k, full-batch gradients, local steps by ``corrected_step`` on torch SGD."""
     rng = np.random.default_rng(0)
     a = np.array([1.0, 2.0, 4.0])
@@ -236,8 +236,9 @@ def test_baselines_run_and_switch_what_they_should(task_identity, algo):
 
 
 def test_fed_mt_uses_the_augment_key_like_every_variant():
-    """Spec §7: no augmentation on MNIST. Fed-MT used to force the weak view on its labeled and
-    unlabeled inputs (about -10 points); it now follows ``fedshvr.augment`` (default 'none')."""
+    """No augmentation on MNIST (the Fed-SHVR paper states none): Fed-MT follows
+    ``fedshvr.augment`` (default 'none') like every variant, rather than forcing the weak view on
+    its labeled and unlabeled inputs."""
     flat = {"fedshvr.augment": "none"}
     assert get_algorithm("fed-mt").parse_config(flat).augment == "none"
     assert get_algorithm("fed-mt").parse_config({"fedshvr.augment": "weak"}).augment == "weak"

@@ -1,4 +1,4 @@
-"""One consent mechanism for everything a node computes from its labels (issue 24).
+"""One consent mechanism for everything a node computes from its labels.
 
 Without the node's consent (the default) no reply carries a metric that any algorithm
 declares label-derived (``AlgorithmSpec.label_metrics``), and the server reports such a

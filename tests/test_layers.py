@@ -1,4 +1,4 @@
-"""Imports point down only (README "Layout and tests"; DESIGN.md "Layers").
+"""Imports point down only (README "Layout and tests").
 
 flower_apps/ -> strategies/ -> split_layer/ -> tasks/. ``tasks/`` is plain torch: no Flower,
 and flwr-datasets only where it adapts to it (the Partitioner classes, the hub loader).
@@ -50,7 +50,7 @@ def test_the_example_app_uses_the_public_api_only():
 
 
 def test_the_base_strategy_lives_with_the_strategies():
-    """``split_layer/`` defines no Flower Strategy (issue 25): the base strategy and its round
+    """``split_layer/`` defines no Flower Strategy: the base strategy and its round
     loop are ``strategies.base``'s; the split layer states what it needs (``RoundHost``)."""
     bad = []
     for path in sorted((ROOT / "split_layer").rglob("*.py")):

@@ -1,4 +1,4 @@
-"""Tests for tasks/losses.py against direct implementations of the spec formulas."""
+"""Tests for tasks/losses.py against direct implementations of the papers' formulas."""
 from __future__ import annotations
 
 import math
@@ -213,7 +213,7 @@ def test_logit_adjusted_ce_per_row_prior():
 # supervised contrastive loss
 # ---------------------------------------------------------------------------
 def _supcon_double_loop(za, ya, zq, yq, elig_q, kappa, batch_ref, over_batch=False):
-    """Direct transcription of semisfl.md §3 Eq. 3 / Eq. 5 with explicit loops
+    """Direct transcription of Semi-SFL's Eq. 3 / Eq. 5 (Sec. III) with explicit loops
     (``over_batch``: the sum of the kept L_j divided by the batch size, Eq. 5's C)."""
     za = F.normalize(za, dim=1)
     zq = F.normalize(zq.detach(), dim=1) if zq is not None else None
@@ -278,7 +278,7 @@ def test_clustering_regularization_matches_double_loop():
     ref = _supcon_double_loop(za, yhat, zq, yq, conf > tau, 0.07, False)
     assert has_pos.tolist() == [True, True, False, True, True]
     assert got.item() == pytest.approx(ref.item(), rel=1e-10)
-    # C is divided by the batch (spec §3 "skip j when P^(j) is empty, and average over the batch")
+    # C is divided by the batch (anchors without a positive skipped, the mean over the batch)
     ref_c = _supcon_double_loop(za, yhat, zq, yq, conf > tau, 0.07, False, over_batch=True)
     wrap = clustering_regularization(za, yhat, zq, yq, conf, tau=tau)
     assert wrap.item() == pytest.approx(ref_c.item(), rel=1e-10)
@@ -454,7 +454,7 @@ def test_cosine_lr_values():
     p_zero = 1 / (2 * 2.3)
     assert cosine_lr(0.9 * T, T, base, c=2.3, floor=1e-4) == pytest.approx(base * 1e-4)
     assert cosine_lr(0.99 * p_zero * T, T, base, c=2.3, floor=1e-4) > base * 1e-4
-    # epoch ~228 with horizon 1024 epochs and 5 warmup epochs (ssfl_benchmark.md §6)
+    # epoch ~228 with horizon 1024 epochs and 5 warmup epochs (the SSFL authors' code, Appendix A.3)
     ipe = 1024
     assert cosine_lr(220 * ipe, 1024 * ipe, base, 5 * ipe, 1e-4, 2.3) > base * 1e-3
     assert cosine_lr(230 * ipe, 1024 * ipe, base, 5 * ipe, 1e-4, 2.3) == pytest.approx(base * 1e-4)

@@ -104,8 +104,8 @@ def test_semisfl_alexnet_has_the_papers_sizes():
 def test_split_is_exact_for_every_cut(name, shape):
     """Structurally at every cut (bottom + top are the model's stages, in order, sharing its
     very modules, and so its parameters and buffers), numerically at the default cut (the
-    forward of a stage does not depend on where the model is cut: issue 18 kept one numeric
-    check per model and input shape instead of one per cut)."""
+    forward of a stage does not depend on where the model is cut, so one numeric check per
+    model and input shape covers every cut)."""
     c, s = shape
     x = _x(c, s)
     m = _build(name, c, s, norm="bn").eval()

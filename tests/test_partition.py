@@ -89,7 +89,7 @@ def test_ssfl_realised_r_for_k_twice_d(target):
     _assert_disjoint_cover(parts, len(MNIST_LIKE))
     expected = target * (1 - C * m * (m - 1) / (k * (k - 1)))
     assert r_metric(class_histograms(MNIST_LIKE, parts, C)) == pytest.approx(expected, abs=0.02)
-    assert expected == pytest.approx(0.947 * target, abs=1e-3)  # §10.2 quotes 0.947R
+    assert expected == pytest.approx(0.947 * target, abs=1e-3)  # 1 - 10*2*1/(20*19) = 0.947
 
 
 def test_ssfl_uneven_and_fewer_users_than_classes():

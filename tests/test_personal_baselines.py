@@ -1,4 +1,4 @@
-"""UM-pFSSL's Table 1 rows added in issue 26 (strategies/fedbn.py, lgfedavg.py, pfedme.py,
+"""UM-pFSSL's Table 1 baseline rows (strategies/fedbn.py, lgfedavg.py, pfedme.py,
 supervised_refs.py; the modes' client in strategies/fixmatch_baselines.py): each defining rule
 against a hand computation or an independent numpy formula. The conformance matrix runs every
 name under every condition (tests/test_conformance.py)."""

@@ -1,4 +1,4 @@
-"""An algorithm from a module outside the library registers itself (issue 25).
+"""An algorithm from a module outside the library registers itself.
 
 The test writes a new module into a temporary folder (not the library, no library file
 edited): FedAvg with a server learning rate, a subclass with one override and a config

@@ -1,4 +1,4 @@
-"""Flower's simulation engine on a two-node Ray cluster (issue 30): a head and a second node on
+"""Flower's simulation engine on a two-node Ray cluster: a head and a second node on
 loopback, each its own ``ray start`` process; a full-model and a split algorithm run on it with
 ClientApp actors on both nodes, give the weights the in-process engine gives, and every process
 of the cluster is gone afterwards (``bench/ray_cluster.py`` is the same with more options)."""

@@ -1,4 +1,5 @@
-"""SCALA's formulas (scala.md Sections 2, 3, 8.1-8.2) against the implementation."""
+"""SCALA's formulas (the paper's Sec. 3.2-3.3, Algorithm 1, Eqs. 3-13; P_s, P_k and G_k's
+normalisation as strategies/scala.py chooses them) against the implementation."""
 from __future__ import annotations
 
 import copy

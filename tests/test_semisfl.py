@@ -1,4 +1,4 @@
-"""Semi-SFL server core against the spec's formulas (semisfl.md §3, §4), on tiny tensors."""
+"""Semi-SFL server core against the paper's formulas (Sec. III Eqs. 1-8, Sec. IV-B Eq. 9), on tiny tensors."""
 import dataclasses
 import math
 
@@ -54,10 +54,10 @@ def direct_c(z, yhat, qz, qy, qc, tau, kappa):
     for j in range(len(z)):
         pos = [p for p in range(len(qz)) if qc[p] > tau and qy[p] == yhat[j]]
         if not pos:
-            continue  # [R] skipped
+            continue  # skipped (its term is undefined)
         denom = sum(torch.exp(z[j] @ qz[a] / kappa) for a in range(len(qz)))
         losses.append(-sum(torch.log(torch.exp(z[j] @ qz[p] / kappa) / denom) for p in pos) / len(pos))
-    return sum(losses) / len(z) if losses else z.sum() * 0  # the batch mean (spec §3)
+    return sum(losses) / len(z) if losses else z.sum() * 0  # the batch mean
 
 
 def direct_t(z, y, qz, qy, kappa, qc=None, tau=None):
@@ -107,7 +107,7 @@ def test_cross_iteration_matches_formulas_and_routes_gradients():
         teach = {n: torch.softmax(s.t_top(pl[n][TEACHER]), 1) for n in pl}
         tz = {n: s.t_proj(pl[n][TEACHER]) for n in pl}
     qz, qy, qc = s.queue.tensors()
-    for n in pl:  # the barrier's teacher features are enqueued before C ([R] §9.3)
+    for n in pl:  # the barrier's teacher features are enqueued before C (strategies/semisfl.py)
         conf, yhat = teach[n].max(1)
         qz, qy, qc = torch.cat([qz, tz[n]]), torch.cat([qy, yhat]), torch.cat([qc, conf])
     exp_grad_e, top_g, proj_g, masks = {}, [torch.zeros_like(p) for p in top0], [torch.zeros_like(p) for p in proj0], []

@@ -1,4 +1,4 @@
-"""What a Semi-SFL node discloses (issue 14): a default ``semisfl`` run sends no true label.
+"""What a Semi-SFL node discloses: a default ``semisfl`` run sends no true label.
 
 Every Flower reply of every node and every frame a node writes on the split stream are
 recorded (in-process LocalGrid with the library's ClientApp dispatcher, both transports) and

@@ -1,4 +1,4 @@
-"""SCALA's split-learning baselines of issue 27 (``baselines.md`` B5-B6): SFLLocalLoss
+"""SCALA's split-learning baselines (``docs/baselines.md`` B5-B6): SFLLocalLoss
 (``sfl-local-loss``), CS-SFL (``cs-sfl``) and Minibatch-SFL (``minibatch-sfl`` = ``ca-sfl``)."""
 from __future__ import annotations
 

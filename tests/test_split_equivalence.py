@@ -2,7 +2,7 @@
 
 The reference below is written independently of the split runtime: one full model per
 client for the bottoms (deep copies), the global model's top, plain autograd through the
-composition ``top(bottom_k(x))``, the losses of scala.md (Eqs. 12/13) or SplitFedV2's
+composition ``top(bottom_k(x))``, the losses of the SCALA paper (Eqs. 12/13) or SplitFedV2's
 sequential CE, and the |D_k|-weighted mean of the bottoms. It shares with the runtime
 only the protocol's definitions of *which* batch and *which* seed a step uses.
 
@@ -192,7 +192,7 @@ def test_equivalence_simulation(tmp_path, monkeypatch, transport):
     The message transport runs the same cases bit-identically in process
     (``test_transports_give_identical_weights_and_bytes``) and through the engine in
     ``tests/test_split_runtime.py::test_fault_through_simulation_engine`` (two Ray starts
-    saved, issue 18)."""
+    saved)."""
     from tests.flower_harness import (
         ROOT,
         hermetic_env,

@@ -46,7 +46,7 @@ def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, a
 
 
 def analytic_bytes(s, batch_sizes: list[int], iters: int) -> dict[str, int]:
-    """scala.md Sec. 2: activations x I + bottom model per participating client (+ labels, gradients)."""
+    """SCALA's Algorithm 1 (Sec. 3.2.2): activations x I + bottom model per participating client (+ labels, gradients)."""
     act = int(np.prod(s.act_shape)) * 4
     bottom = sum(v.numel() * v.element_size() for v in bottom_state(s.model, s.cut).values())
     n = len(batch_sizes)
@@ -214,7 +214,7 @@ def test_fault_through_simulation_engine(tmp_path, monkeypatch, transport):
     (pickled to the engine's Ray workers, which install it there). Over the stream the same
     drop is proven on a real gRPC endpoint (``tests/test_split_stream.py``: failing, broken and
     silent nodes) and the stream through the engine by ``test_equivalence_simulation[stream]``
-    (one Ray start saved, issue 18)."""
+    (one Ray start saved)."""
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -266,8 +266,8 @@ def test_stream_with_too_few_concurrent_clientapps_fails_with_the_setting(tmp_pa
 
 
 def test_a_batch_larger_than_a_nodes_data_is_one_full_batch_with_a_warning(caplog):
-    """batch-size=10,000,000 (issue 25: each Semi-SFL node allocated for that batch until Ray
-    killed it): every node trains on all of its samples, logged once per node."""
+    """batch-size=10,000,000 (a node must not allocate for that batch: Ray would kill it for
+    its memory): every node trains on all of its samples, logged once per node."""
     import logging
 
     from tests.test_conformance import build, run

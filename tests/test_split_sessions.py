@@ -1,4 +1,4 @@
-"""Stream sessions that span rounds (issue 17): one Flower message per node for a whole run.
+"""Stream sessions that span rounds: one Flower message per node for a whole run.
 
 All in process on real gRPC endpoints (``LocalGrid(threaded=True)`` runs every ClientApp
 message in its own thread, as Flower's runtimes run every SuperNode at once), through the

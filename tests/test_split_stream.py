@@ -303,7 +303,7 @@ def test_strategy_with_stream_policy_uses_the_stream_transport():
     assert isinstance(tr, StreamTransport) and tr.opts.timeout == 7.0
 
 
-# --------------------------------------------------------------------------- hardening (issue 14)
+# --------------------------------------------------------------------------- hardening (docs/bad-input.md)
 def test_tls_is_on_unless_both_the_bind_host_and_the_address_clients_dial_are_loopback():
     assert StreamOptions(host="0.0.0.0", advertise="10.0.0.5").use_tls()
     # clients dial loopback, but the listener is on every interface: anyone on the network can reach it

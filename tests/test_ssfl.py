@@ -1,4 +1,5 @@
-"""SSFL (strategies/ssfl.py) against the spec's formulas (ssfl_benchmark.md §2, §3, §5, §6)."""
+"""SSFL (strategies/ssfl.py) against the paper's formulas (Sec. 3.3 Eqs. 3-6, Sec. 4.2 Eq. 7,
+Appendix A.3 Eq. 10)."""
 import math
 
 import numpy as np
@@ -180,7 +181,7 @@ def test_groups_are_contiguous_in_partition_id():
     assert [s.group_of(p) for p in range(7)] == [0, 0, 0, 1, 1, 2, 2]
 
 
-# --------------------------------------------------------------------------- schedule (§6)
+# --------------------------------------------------------------------------- schedule (Appendix A.3)
 def test_cosine_schedule_runs_over_global_iterations():
     cfg = SSFLConfig(lr_c=2.3, lr_horizon=3.4, lr_warmup=0.1)
     period, rounds, lr = 8, 10, 0.146
@@ -240,7 +241,7 @@ def test_user_period_reports_the_class_histogram_of_its_confident_pseudo_labels(
 
 def test_a_period_without_a_confident_pseudo_label_reports_no_train_loss():
     """Every pseudo-label masked: the users' loss measured nothing, so it is not reported
-    (it read 0.0, which looked like a bug, issue 25); mask-rate 0 says why."""
+    (a 0.0 would look like a perfect fit); mask-rate 0 says why."""
     from tests.test_conformance import build, run
     s, grid = build("ssfl", **{"ssfl.tau": 1.0})
     res, rows = run(s, grid, rounds=1)
@@ -297,7 +298,7 @@ def test_round_reports_the_per_class_histogram_of_confident_pseudo_labels(monkey
 
 @pytest.mark.parametrize("groups", [1, 2])
 def test_users_folded_in_any_arrival_order_equal_the_stacked_rules(groups):
-    """The round folds each user as its reply arrives (issue 30): in any order, the server and
+    """The round folds each user as its reply arrives: in any order, the server and
     group models and the diversity equal Eq. 5 / Eq. 6 and Eq. 7 on the stacked users."""
     from strategies.ssfl import UsersFold
     from tasks.aggregate import grouped_average, mean_including_server, state_delta, weight_diversity

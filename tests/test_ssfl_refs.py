@@ -179,7 +179,7 @@ def test_overlapsgd_pulls_toward_the_previous_rounds_anchor(monkeypatch):
 
 # ----------------------------------------------------------------------------------- DataSharing
 def test_shared_data_dilutes_r_as_the_formula_says():
-    """R(D_k + G_k) = R_priv n_priv / (n_priv + alpha |G|) (baselines.md D1 [D]) for class-balanced
+    """R(D_k + G_k) = R_priv n_priv / (n_priv + alpha |G|) (derived in strategies/datasharing.py) for class-balanced
     shares: two nodes with class counts (8, 2) and (2, 8), R_priv = 0.6; each gets 4 of the 8
     samples of a balanced G (alpha = 0.5): R = 0.6 * 10/14, by the library's R metric on the
     merged counts; and alpha_for_target inverts it."""

@@ -1,4 +1,4 @@
-"""The split stream under attack, on 127.0.0.1 only (issue 14; the rows of docs/bad-input.md).
+"""The split stream under attack, on 127.0.0.1 only (the rows of docs/bad-input.md).
 
 Every test talks to a real gRPC stream endpoint on loopback, runs bounded loops and stops
 by itself (every socket, channel and server it opens is closed in ``finally``):

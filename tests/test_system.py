@@ -1,4 +1,4 @@
-"""The simulated system clock (tasks.system; issue 28): link and compute models against hand
+"""The simulated system clock (tasks.system): link and compute models against hand
 computations, the clock of rounds with known work, measured work, and the run-config key."""
 from __future__ import annotations
 
