@@ -13,7 +13,7 @@ shared (non-BN) entries w plus its own BN_k, runs FixAvg's local FixMatch steps
 (:func:`tasks.training.train_fixmatch`: ``CE(f(weak(x_l)), y_l) + lambda_u L_u``, pseudo-labels
 from its own model: its own BN), keeps BN_k and uploads the rest; the server sets every
 shared entry to the **uniform** mean ``w_j = (1/|S|) sum_{k in S} w_{k,j}`` (FedBN's code; the
-seed paper gives no weighting). Client k is evaluated with w plus BN_k on its own test split.
+UM-pFSSL paper gives no weighting). Client k is evaluated with w plus BN_k on its own test split.
 
 What travels: the non-BN entries, down and up (``weights``); the ``evaluate`` message carries
 them too (``eval-weights``).

@@ -75,8 +75,8 @@ replies keeps its server stage and psi.
 
 Defaults: tau 0.75, H 2, h_interval 10, lambda_s 10, lambda_i = lambda_a = 1e-2, lambda_l1
 1e-5, lambda_l2 10, l1_thres = delta_thres = 1e-5, psi_factor 0.2 [C config.py,
-labels-at-server]. Budget [R, A1/A2]: K_s = 50 server steps per round (the seed's initial K_s;
-the authors: 1 epoch) and the run's ``local-steps`` on the clients; the seed's optimizer (SGD,
+labels-at-server]. Budget [ours]: K_s = 50 server steps per round (Semi-SFL's initial K_s;
+the authors: 1 epoch) and the run's ``local-steps`` on the clients; Semi-SFL's optimizer (SGD,
 momentum 0.9, lr 0.02 decayed by a cosine over the rounds: ``lr-schedule``, one rate per round
 for server and clients [ours]; the authors: lr 1e-3 divided by 3 on a validation plateau).
 

@@ -34,7 +34,7 @@ BatchNorm statistics as its buffers) and ``metrics`` (``num-examples`` = |D_k^s|
 steps (the inner problem is one fixed objective, as the code's one batch X); the pseudo-labels
 of f_k come from the current theta (FixMatch's own model), recomputed at each inner step;
 pFedMe's steps are plain gradient steps (no momentum, as ``pFedMeOptimizer``); eta is the run's
-``lr`` (the seed paper's one learning rate for every method; the code's default is 0.01);
+``lr`` (UM-pFSSL's one learning rate for every method; the code's default is 0.01);
 w_k's buffers are theta's (the code's models have none); only sampled clients train.
 """
 from __future__ import annotations

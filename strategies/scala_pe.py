@@ -6,19 +6,19 @@ A. S. Rakin, X. Chen, Z. He, D. Fan, C. Chakrabarti, "ResSFL: A Resistance Trans
 for Defending Model Inversion Attack in Split Federated Learning", CVPR 2022, pp. 10194-10202
 (authors' code github.com/zlijingtao/ResSFL, read for the choices below: ``MIA_torch.py``
 ``train_target_step`` / ``gan_train_step``, ``architectures_torch.py`` ``conv_normN_AE``,
-``vgg.py`` ``make_layers``, ``reproduce/table2`` scripts). Marks: [P] the SCALA paper, [C]
-ResSFL's code, [ours] a choice the sources leave open (``docs/baselines.md`` B7).
+``vgg.py`` ``make_layers``, ``reproduce/table2`` scripts). Marks: [C] ResSFL's code, [ours] a
+choice the sources leave open (``docs/baselines.md`` B7).
 
 Server: SCALA's, unchanged (:class:`strategies.scala.ScalaStrategy` with its switches fixed to
 ``server-mode = concat`` and ``logit-adjust = true``): concatenated activations, one server
 model, logit-adjusted losses with P_s (server) and P_k (client gradients), Eq. 8's |D_k|-mean
 of the bottoms. The model is meant to be ``vgg11`` / ``vgg11-small`` cut at ``bottleneck``
 (VGG-11 split after its second conv with the 8-channel, stride-1 bottleneck pair of
-:mod:`tasks.models` [P/C]); any model and cut work.
+:mod:`tasks.models`, as SCALA's Sec. 5.7 and ResSFL's code [C]); any model and cut work.
 
 Client k, split step i of a round, batch (x, y) of B_k images, A = h(w_c; x) the activation sent:
 
-* objective [P]: ``f_k = L_k(w_s; A) + gamma * Rq(w_v(A), x)``, so the bottom w_c steps on
+* objective (SCALA's Sec. 5.7): ``f_k = L_k(w_s; A) + gamma * Rq(w_v(A), x)``, so the bottom w_c steps on
   ``G_k + gamma * dRq/dA`` back-propagated through A (G_k = dL_k/dA the server's gradient,
   unchanged; the inversion term never leaves the node);
 * Rq, the reconstruction quality of the simulated inversion model w_v (``scala-pe.rq``):
@@ -47,7 +47,7 @@ Client k, split step i of a round, batch (x, y) of B_k images, A = h(w_c; x) the
   the server receives (training-mode BatchNorm; the code recomputes it in eval mode), and a
   batch of one is skipped (w_v's BatchNorm cannot train on it);
 * gamma (``scala-pe.gamma``): 0.3, ResSFL's ``regularization_strength`` with ``ssim_threshold
-  0.5`` in its table-2 scripts [C] (SCALA gives none [P]; a sweep trades accuracy for
+  0.5`` in its table-2 scripts [C] (SCALA gives none; a sweep trades accuracy for
   reconstruction quality). ``gamma = 0`` gives exactly SCALA's weights (w_v still trains, and is reported).
 
 What travels: exactly SCALA's (the activations, the labels, the gradients, the bottoms); w_v and

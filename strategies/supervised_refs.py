@@ -3,7 +3,7 @@
 
 The standard methods trained with plain cross-entropy on **fully labeled** client data: the
 node's labeled split D_k^s united with its unlabeled split D_k^u **with D_k^u's true labels**
-(a reference no semi-supervised method can have; not a strict upper bound, the seed paper's
+(a reference no semi-supervised method can have; not a strict upper bound: in the paper's Table 1
 UM-pFSSL beats FedAvg-SL on CIFAR-10 at alpha = 0.5). n_k = |D_k^s| + |D_k^u|: the split that
 defines every other row is kept, not redrawn.
 

@@ -306,7 +306,7 @@ def weight_diversity(updates: Sequence[State], keys=None, *, times_k: bool = Fal
     flattened over ``keys`` (the paper uses the classifier layer of ResNet-18).
     Identical updates give 1/K; orthogonal updates of equal norm give 1.
 
-    [R/C] The literal Eq. 7 subtracts the current average, which makes the
+    The literal Eq. 7 subtracts the current average, which makes the
     denominator zero; the authors' diversity script uses update vectors and
     reports K times this ratio. Pass ``times_k=True`` for that convention
     (identical updates -> 1, orthogonal equal-norm -> K). Returns ``inf`` when
