@@ -3,8 +3,9 @@
     python -m flower_apps.papers semisfl --page      # docs/paper-results/semisfl.md (+ .png)
 
 A page is a function of the run folders under ``docs/paper-results/runs/<paper>-<dataset>/``
-(each run's ``config.json`` and ``metrics.jsonl``) and of the paper's entry in
-:data:`flower_apps.papers.PAPERS` (its tables, the numbers the paper reports, its claims):
+(each run's ``config.json`` and ``metrics.jsonl``) and of the paper's tables
+``conf/papers/<paper>.toml``, read by :func:`flower_apps.papers.papers` (its tables, the numbers
+the paper reports, its claims):
 
 * **Claims**: for every claim "row A beats row B", the paired difference of the final accuracy
   over the seeds both rows ran, the seeds A is ahead on, the paired t statistic and a verdict

@@ -6,9 +6,12 @@ import json
 import pytest
 
 from flower_apps.config import parse_run_config, preflight
-from flower_apps.papers import PAPERS, main, row_config, run_paper, write_report
+import flower_apps.papers as papers_module
+from flower_apps.papers import (PAPERS, PAPERS_ENV, Budget, Claim, Paper, PapersNotFound, Row, find_papers_dir,
+                                load_paper, main, papers, row_config, run_paper, write_report)
 from strategies.registry import algorithm_names
 from tests.datasets import needs_dataset
+from tests.flower_harness import ROOT
 
 
 @pytest.mark.parametrize("paper", sorted(PAPERS))
@@ -80,16 +83,13 @@ def test_cli_errors(capsys):
     assert "splitfed-v2" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("paper", ["semisfl", "ssfl", "umpfssl", "scala"])
+@pytest.mark.parametrize("paper", sorted(p for p in PAPERS if PAPERS[p].tables))
 def test_every_method_of_the_papers_tables_has_a_row(paper, capsys):
     """``--list`` names every method of the paper's comparison tables with the rows that rerun
-    it; a method without a row is allowed only where ``missing`` names the open issue that
-    adds it (SCALA's split baselines and SCALA-PE: issue 27)."""
+    it; every method has a (non-probe) row, and a row's table label is a method of the tables."""
     p = PAPERS[paper]
-    assert p.tables
-    uncovered = {m for _, m, rows in p.coverage() if not rows}
-    assert uncovered == set(p.missing), f"{paper}: methods without a row: {sorted(uncovered - set(p.missing))}"
-    assert all(v.startswith("issue 27") for v in p.missing.values())
+    assert {m for _, m, rows in p.coverage() if not rows} == set(), f"{paper}: methods without a row"
+    assert p.missing == {}, f"{paper}: every method has a row, so none is listed as missing"
     labels = {m for r in p.rows for m in r.methods if not r.probe}
     stray = {m for m in labels if m != m.lower() and not any(m in ms for ms in p.tables.values())}
     assert not stray, f"{paper}: row labels not in any table: {stray}"
@@ -99,3 +99,71 @@ def test_every_method_of_the_papers_tables_has_a_row(paper, capsys):
         assert table in out and method in out
         for r in rows:
             assert f"- {r} [" in out
+
+
+def test_a_method_without_a_row_is_listed_with_why():
+    """``missing``: a method of the paper's tables that no row reruns is listed as such, with the
+    reason the tables give (or "not implemented")."""
+    p = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B",
+              rows=(Row("a", {"algo": "fedavg"}, label="A"), Row("a2", {"algo": "fedavg"}, probe=True, label="B")),
+              tables={"Table 1": ("A", "B", "C")}, missing={"B": "needs a server optimiser"})
+    assert p.coverage() == [("Table 1", "A", ["a"]), ("Table 1", "B", []), ("Table 1", "C", [])]
+    listing = p.listing()
+    assert "    A                      -> a\n" in listing
+    assert "    B                      -> no row yet (needs a server optimiser)\n" in listing
+    assert "    C                      -> no row yet (not implemented)\n" in listing
+
+
+def test_the_tables_are_read_from_conf_papers_into_the_dataclasses():
+    """Every conf/papers/<paper>.toml is a Paper whose rows, claims and budgets are the dataclasses
+    with tuples where the code reads tuples; the files' ``order`` is the listing's."""
+    folder = ROOT / "conf" / "papers"
+    assert find_papers_dir() == folder
+    assert list(PAPERS) == ["semisfl", "ssfl", "fedshvr", "umpfssl", "scala"]
+    assert sorted(f.stem for f in folder.glob("*.toml")) == sorted(PAPERS)
+    for name, p in PAPERS.items():
+        assert p == load_paper(folder / f"{name}.toml") and p.name == name
+        assert isinstance(p.rows, tuple) and all(isinstance(r, Row) for r in p.rows)
+        assert isinstance(p.claims, tuple) and all(isinstance(c, Claim) for c in p.claims)
+        assert all(isinstance(ms, tuple) for ms in p.tables.values())
+        assert all(isinstance(b, Budget) for b in p.datasets.values())
+        assert all(isinstance(r.label, (str, tuple)) for r in p.rows)
+    assert PAPERS["semisfl"].rows_by_name["semisfl"].label == ("Semi-SFL", "w/ K_s controller")
+
+
+def test_without_the_tables_the_command_says_where_it_looked_and_how_to_point_elsewhere(
+        tmp_path, monkeypatch, capsys):
+    """As from a wheel (no conf/ beside the package, none in the working directory): exit 2 with
+    the folders looked in and the option and variable that point elsewhere; both then work."""
+    monkeypatch.setattr(papers_module, "__file__", str(tmp_path / "site-packages" / "flower_apps" / "papers.py"))
+    monkeypatch.delenv(PAPERS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["scala", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "site-packages" / "conf" / "papers") in err and str(tmp_path / "conf" / "papers") in err
+    assert "--tables DIR" in err and f"{PAPERS_ENV}=DIR" in err
+    with pytest.raises(PapersNotFound):
+        papers()
+    assert main(["scala", "--list", "--tables", str(ROOT / "conf" / "papers")]) == 0
+    assert "scala: SCALA" in capsys.readouterr().out
+    monkeypatch.setenv(PAPERS_ENV, str(ROOT / "conf" / "papers"))
+    assert main(["scala", "--list"]) == 0
+    assert "scala: SCALA" in capsys.readouterr().out
+
+
+def test_a_key_no_dataclass_takes_is_an_error_naming_the_file_and_key(tmp_path, capsys):
+    (tmp_path / "toy.toml").write_text('title = "Toy"\nsupernodes = 2\nexpected = "A > B"\n[base]\n'
+                                       '[[rows]]\nname = "a"\noverides = {algo = "fedavg"}\n')
+    with pytest.raises(ValueError, match=r"toy.toml: .*unexpected keyword argument 'overides'"):
+        load_paper(tmp_path / "toy.toml")
+    assert main(["--list", "--tables", str(tmp_path)]) == 2
+    assert "toy.toml" in capsys.readouterr().err
+
+
+
+def test_an_unknown_paper_is_refused_naming_the_papers(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["nosuch", "--list"])
+    assert e.value.code == 2
+    assert "invalid choice: 'nosuch' (choose from 'fedshvr', 'scala', 'semisfl', 'ssfl', 'umpfssl')" in \
+        capsys.readouterr().err
