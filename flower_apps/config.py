@@ -8,11 +8,14 @@ algorithm's config dataclass. Anything unknown, mistyped or out of range raises
 """
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.stream_options import StreamOptions, stream_knobs
 from strategies.registry import (
     AlgorithmSpec,
@@ -172,13 +175,137 @@ def keys_markdown() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m flower_apps.config > docs/config.md
+def _spans(names: list[str]) -> str:
+    """``conv1, conv2, conv3, conv4`` as ``conv1 .. conv4`` (runs of 3 or more numbered names)."""
+    import re
+
+    out: list[list[tuple[str, int]]] = []
+    for n in names:
+        m = re.fullmatch(r"(.*?)(\d+)", n)
+        stem, i = (m.group(1), int(m.group(2))) if m else (n, -1)
+        if m and out and out[-1][-1][0] == stem and out[-1][-1][1] == i - 1:
+            out[-1].append((stem, i))
+        else:
+            out.append([(stem, i)])
+    return ", ".join(f"{g[0][0]}{g[0][1]} .. {g[-1][0]}{g[-1][1]}" if len(g) >= 3 else
+                     ", ".join(f"{s}{i}" if i >= 0 else s for s, i in g) for g in out)
+
+
+def models_markdown() -> str:
+    """A markdown table of every model family of :data:`tasks.models.MODELS` (the one list):
+    its cut points (the ``cut`` key's values) and default cut, read from the model built (on
+    PyTorch's meta device: no weights) for 3x32x32 images."""
+    import torch
+
+    from tasks.models import MODELS, build_model
+
+    rows = ["| `model` | cut points (`cut`) | default cut |", "|---|---|---|"]
+    with torch.device("meta"):
+        for name in MODELS:
+            m = build_model(name, in_channels=3, num_classes=10, image_size=32)
+            rows.append(f"| `{name}` | {_spans(m.cut_points)} | {m.default_cut} |")
+    return "\n".join(rows)
+
+
+PYPROJECT_TABLE = "tool.flwr.app.config"   # where Flower reads the run config's keys and defaults
+
+
+def _toml_value(value: Any, typ: type) -> str:
+    """A default as TOML writes it, in its field's type (a float field's ``0`` is ``0.0``)."""
+    if typ is bool:
+        return "true" if value else "false"
+    if typ is int:
+        return str(int(value))
+    if typ is float:
+        return repr(float(value))   # 0.5, 1e-05, inf: TOML floats
+    return json.dumps(value)        # a TOML basic string (JSON's escapes are TOML's)
+
+
+def pyproject_section() -> str:
+    """The ``[tool.flwr.app.config]`` tables of pyproject.toml, made from the config dataclasses:
+    :class:`AppConfig` and :class:`tasks.config.TaskConfig` in the top table, each algorithm
+    namespace's config (inherited fields included) in ``[tool.flwr.app.config.<namespace>]``.
+    Flower reads the keys and defaults there (and rejects a key not listed)."""
+    lines = [f"[{PYPROJECT_TABLE}]",
+             "# generated from the config dataclasses by `python -m flower_apps.config --pyproject`:",
+             "# do not edit by hand (every key's meaning and allowed values: docs/config.md)"]
+    seen: dict[str, str] = {}
+    for cls in (AppConfig, TaskConfig):
+        for f, typ in fields_of(cls):
+            key = key_of(f.name)
+            if key in seen:
+                raise ValueError(f"run-config key {key!r} is declared twice: in {seen[key]} and {cls.__name__}")
+            seen[key] = cls.__name__
+            lines.append(f"{key} = {_toml_value(f.default, typ)}")
+    for ns, spec in sorted(namespaces().items()):
+        if spec.config_cls is not None:
+            lines += ["", f"[{PYPROJECT_TABLE}.{ns}]"]
+            lines += [f"{key_of(f.name)} = {_toml_value(f.default, typ)}" for f, typ in fields_of(spec.config_cls)]
+    return "\n".join(lines) + "\n"
+
+
+def _section_span(lines: list[str]) -> tuple[int, int]:
+    """``(first, end)``: the lines of ``lines`` (pyproject.toml's) that hold the run-config tables,
+    from their header to the next other table (the comments and blank lines just above that
+    table stay with it)."""
+    head = f"[{PYPROJECT_TABLE}]"
+    try:
+        first = next(i for i, ln in enumerate(lines) if ln.strip() == head)
+    except StopIteration:
+        raise ValueError(f"pyproject.toml has no {head} table") from None
+    end = next((i for i in range(first + 1, len(lines)) if lines[i].lstrip().startswith("[")
+                and not lines[i].lstrip().startswith(f"[{PYPROJECT_TABLE}.")), len(lines))
+    if end < len(lines):
+        while end > first + 1 and (not lines[end - 1].strip() or lines[end - 1].lstrip().startswith("#")):
+            end -= 1
+        while not lines[end].strip():   # (the blank lines between are the section's: it ends with one)
+            end += 1
+    return first, end
+
+
+def update_pyproject(path: str | Path, check: bool = False) -> bool:
+    """Rewrite ``path``'s run-config tables as :func:`pyproject_section` makes them (the rest of
+    the file as it is); with ``check``, write nothing. Returns whether the file was up to date."""
+    path = Path(path)
+    lines = path.read_text().splitlines(keepends=True)
+    first, end = _section_span(lines)
+    new = pyproject_section() + ("\n" if end < len(lines) else "")
+    if "".join(lines[first:end]) == new:
+        return True
+    if not check:
+        path.write_text("".join(lines[:first]) + new + "".join(lines[end:]))
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m flower_apps.config",
+                                 description="Print docs/config.md (every run-config key), or generate "
+                                             f"pyproject.toml's [{PYPROJECT_TABLE}] from the config dataclasses.")
+    ap.add_argument("--pyproject", nargs="?", const="pyproject.toml", default=None, metavar="FILE",
+                    help=f"rewrite FILE's [{PYPROJECT_TABLE}] tables in place (default FILE: ./pyproject.toml)")
+    ap.add_argument("--check", action="store_true",
+                    help="with --pyproject: change nothing; exit 1 if FILE's tables differ from the dataclasses")
+    args = ap.parse_args(argv)
+    if args.check and not args.pyproject:
+        ap.error("--check goes with --pyproject")
+    if args.pyproject:
+        ok = update_pyproject(args.pyproject, check=args.check)
+        state = "up to date" if ok else ("differs from the config dataclasses: run `python -m flower_apps.config "
+                                         "--pyproject`" if args.check else "rewritten")
+        print(f"{args.pyproject}: [{PYPROJECT_TABLE}] {state}", file=sys.stderr)
+        return 1 if args.check and not ok else 0
     print("# Run-config keys\n\nGenerated by `python -m flower_apps.config`. "
           "Override any key with `flwr run . --run-config \"key=value ...\"`.\n")
     print(keys_markdown())
+    print("\n## Models\n\nThe model families (`model`), where each may be cut for split learning (`cut`) and the "
+          "cut its paper uses (`cut=''`), as the models report them (`tasks/models.py`):\n")
+    print(models_markdown())
     from tasks.system import SYSTEM_DOC
 
     print("\n" + SYSTEM_DOC)
+    return 0
 
 
 def preflight(parsed: ParsedConfig, num_partitions: int | None = None) -> None:
@@ -234,3 +361,7 @@ def check_partition(parsed: ParsedConfig, num_partitions: int) -> None:
     except ValueError as e:
         raise ConfigError(f"the data cannot be partitioned over {num_partitions} SuperNode(s) "
                           f"(num-partitions): {e}") from e
+
+
+if __name__ == "__main__":  # python -m flower_apps.config > docs/config.md
+    sys.exit(main())

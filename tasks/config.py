@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from tasks.models import MODELS
+from tasks.models import MODELS, NORMS
 
 
 class ConfigError(ValueError):
@@ -189,7 +189,7 @@ class TaskConfig:
     model: str = knob("cnn", choices=tuple(MODELS),   # (the one list: tasks.models.MODELS)
                        help="model family (tasks/models.py); input shape and classes come from the data")
     cut: str = knob("", help="split-learning cut point ('' = the model's default)")
-    norm: str = knob("bn", choices=("bn", "gn", "none"), help="BatchNorm, GroupNorm(32) or none")
+    norm: str = knob("bn", choices=NORMS, help="BatchNorm, GroupNorm(32) or none")
     dropout: float = knob(0.0, lo=0.0, hi=1.0, hi_open=True, help="dropout rate where the model family places it")
     cutout: int = knob(-1, lo=-1, help="side in pixels of the strong view's Cutout square (-1 = half the image, "
                                        "the authors' FixMatch code: 14 px on 28x28; 0 = no Cutout)")

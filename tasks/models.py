@@ -11,23 +11,12 @@ final module is the output ``nn.Linear``, exposed as ``model.classifier`` (used
 for weight diversity on the classifier and for FedPer's local head).
 ``model.classifier_prefix`` is its ``state_dict`` prefix.
 
-Families (``MODELS``), cut points and default cut
--------------------------------------------------
-======== ======================================================= ============
-name     cut points                                              default cut
-======== ======================================================= ============
-cnn      conv1, conv2, fc1                                       conv2
-cnn-afo  conv1, conv2, fc1                                       conv2
-mlp      fc1 .. fcN (one per hidden layer)                       fc1
-alexnet  conv1 .. conv5, fc1, fc2                                conv2
-vgg16    conv1 .. conv13, fc1, fc2                               conv13
-resnet18 stem, layer1, layer2, layer3, layer4                    layer1
-resnet9  prep, layer1, layer2, layer3                            layer1
-cnn13    conv1 .. conv9                                          conv3
-vgg11    conv1, conv2, bottleneck, conv3 .. conv8, fc1, fc2      bottleneck
-======== ======================================================= ============
-
-``vgg11-small`` (``vgg11`` at a quarter of the widths) has ``vgg11``'s cut points.
+Families
+--------
+:data:`MODELS` is the one list of model families (the run config's ``model`` key takes its
+names); each family's cut points and default cut are tabulated from the built models in
+docs/config.md (``python -m flower_apps.config``). ``vgg11-small`` is ``vgg11`` at a quarter
+of the widths.
 
 * ``cnn`` - Semi-SFL's SVHN CNN (its Sec. V-A): conv5x5(32) -> ReLU ->
   maxpool2 -> conv5x5(64) -> ReLU -> maxpool2 -> FC512 -> ReLU -> FC(M). The

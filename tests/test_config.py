@@ -4,7 +4,7 @@ import tomllib
 
 import pytest
 
-from flower_apps.config import STREAM_FIELD, AppConfig, parse_run_config
+from flower_apps.config import STREAM_FIELD, AppConfig, parse_run_config, pyproject_section, update_pyproject
 from split_layer.stream_options import TLS_MODES, StreamOptions, stream_knobs
 from split_layer.transport import TRANSPORT_CHOICES
 from strategies.registry import algorithm_names, get_algorithm
@@ -37,6 +37,80 @@ def test_pyproject_defaults_equal_dataclass_defaults():
             expected.update(to_flat(spec.config_cls(), spec.namespace))
     assert set(flat) == set(expected), set(flat) ^ set(expected)
     assert {k: flat[k] for k in flat if flat[k] != expected[k]} == {}
+
+
+def test_pyproject_run_config_is_generated_from_the_dataclasses():
+    """pyproject's [tool.flwr.app.config] tables are exactly what `python -m flower_apps.config
+    --pyproject` makes of the config dataclasses (keys declared once: there)."""
+    assert update_pyproject(ROOT / "pyproject.toml", check=True), (
+        "pyproject.toml's [tool.flwr.app.config] differs from the config dataclasses: regenerate it with "
+        "`python -m flower_apps.config --pyproject`")
+    assert (ROOT / "pyproject.toml").read_text().count(pyproject_section()) == 1
+
+
+def test_pyproject_rewrite_changes_only_the_run_config_tables(tmp_path, capsys):
+    """--pyproject rewrites a stale section in place and keeps every other table (one after it
+    with its comment included); --check reports a stale section with exit 1 and writes nothing."""
+    from flower_apps.config import main
+
+    before = "[project]\nname = 'x'\n\n[tool.flwr.app.config]\nalgo = 'old'\n\n[tool.flwr.app.config.scala]\n" \
+             "gone = 1\n\n# the plugins\n[project.entry-points.'flower_ssl.algorithms']\ntoy = 'toy'\n"
+    path = tmp_path / "pyproject.toml"
+    path.write_text(before)
+    assert main(["--pyproject", str(path), "--check"]) == 1
+    assert "differs from the config dataclasses" in capsys.readouterr().err
+    assert path.read_text() == before
+    assert main(["--pyproject", str(path)]) == 0
+    assert path.read_text() == ("[project]\nname = 'x'\n\n" + pyproject_section()
+                                + "\n# the plugins\n[project.entry-points.'flower_ssl.algorithms']\ntoy = 'toy'\n")
+    assert main(["--pyproject", str(path), "--check"]) == 0
+    with open(path, "rb") as fh:
+        assert tomllib.load(fh)["project"]["entry-points"]["flower_ssl.algorithms"] == {"toy": "toy"}
+
+
+def test_an_algorithm_sharing_anothers_keys_inherits_them():
+    """SCALA-PE takes SCALA's keys by inheriting ScalaConfig (declared once); its namespace lists
+    them (Flower needs every key) with SCALA's defaults."""
+    from strategies.scala import ScalaConfig
+    from strategies.scala_pe import ScalaPEConfig
+
+    assert issubclass(ScalaPEConfig, ScalaConfig)
+    own = {f.name for f in dataclasses.fields(ScalaPEConfig)} - {f.name for f in dataclasses.fields(ScalaConfig)}
+    assert own and all(f.name in ScalaConfig.__dataclass_fields__ for f in dataclasses.fields(ScalaPEConfig)
+                       if f.name not in own)
+    flat = pyproject_config()
+    for key, value in to_flat(ScalaConfig(), "scala").items():
+        assert flat["scala-pe." + key.split(".", 1)[1]] == value == flat[key]
+
+
+def test_the_model_list_is_tasks_models_MODELS():
+    """One list of model families: the ``model`` key's values are MODELS' names, the ``norm`` key's
+    are NORMS, and docs/config.md's models table has a row per family with the cut points and
+    default cut of the model as built."""
+    from flower_apps.config import models_markdown
+    from tasks.models import MODELS, NORMS, build_model
+
+    fields = {f.name: f for f in dataclasses.fields(TaskConfig)}
+    assert fields["model"].metadata["choices"] == tuple(MODELS)
+    assert fields["norm"].metadata["choices"] == NORMS
+    table = models_markdown().splitlines()[2:]
+    assert [line.split("`")[1] for line in table] == list(MODELS)
+    cnn = build_model("cnn", in_channels=3, num_classes=10, image_size=32)
+    assert table[0] == f"| `cnn` | {', '.join(cnn.cut_points)} | {cnn.default_cut} |"
+    assert "| `vgg16` | conv1 .. conv13, fc1, fc2 | conv13 |" in table
+
+
+def test_docs_config_md_is_generated():
+    from flower_apps.config import main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([]) == 0
+    assert (ROOT / "docs" / "config.md").read_text() == buf.getvalue(), \
+        "docs/config.md is stale: regenerate it with `python -m flower_apps.config > docs/config.md`"
 
 
 def test_defaults_parse():
