@@ -169,20 +169,25 @@ def find_papers_dir(tables: str | Path | None = None) -> Path:
         f"--tables DIR or {PAPERS_ENV}=DIR")
 
 
-def load_paper(path: str | Path) -> Paper:
-    """One paper's tables from ``path`` (``<paper>.toml``; the file name is the paper's name):
-    top-level :class:`Paper` fields, ``[base]``, ``[tables]`` (table -> methods), ``[reported]``,
-    ``[missing]``, ``[[claims]]`` (:class:`Claim`), ``[datasets.<name>]`` (:class:`Budget`) and
-    ``[[rows]]`` (:class:`Row`); ``order`` places it in listings. A key none of them takes, or a
-    file that is not TOML, is a ``ValueError`` naming the file."""
+def _read_toml(path: Path) -> dict[str, Any]:
     import tomllib
 
-    path = Path(path)
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
+
+
+def load_paper(path: str | Path, data: dict[str, Any] | None = None) -> Paper:
+    """One paper's tables from ``path`` (``<paper>.toml``; the file name is the paper's name), or
+    from ``data``, the file already read: top-level :class:`Paper` fields, ``[base]``,
+    ``[tables]`` (table -> methods), ``[reported]``, ``[missing]``, ``[[claims]]``
+    (:class:`Claim`), ``[datasets.<name>]`` (:class:`Budget`) and ``[[rows]]`` (:class:`Row`);
+    ``order`` places it in listings. A key none of them takes, or a file that is not TOML, is a
+    ``ValueError`` naming the file."""
+    path = Path(path)
+    data = dict(_read_toml(path) if data is None else data)
     data.pop("order", None)
     try:
         rows = tuple(Row(**{**r, "label": tuple(r["label"]) if isinstance(r.get("label"), list) else
@@ -196,15 +201,10 @@ def load_paper(path: str | Path) -> Paper:
 
 
 def load_papers(tables: str | Path | None = None) -> dict[str, Paper]:
-    """Every paper of the tables folder (:func:`find_papers_dir`), in their ``order``."""
-    import tomllib
-
-    files = sorted(find_papers_dir(tables).glob("*.toml"))
-    order = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            order[f] = tomllib.load(fh).get("order", len(files) + 1)
-    return {f.stem: load_paper(f) for f in sorted(files, key=lambda f: (order[f], f.stem))}
+    """Every paper of the tables folder (:func:`find_papers_dir`), in their ``order`` (then by name)."""
+    read = {f: _read_toml(f) for f in sorted(find_papers_dir(tables).glob("*.toml"))}
+    first = sorted(read, key=lambda f: (read[f].get("order", len(read) + 1), f.stem))
+    return {f.stem: load_paper(f, read[f]) for f in first}
 
 
 _LOADED: dict[Path, dict[str, Paper]] = {}

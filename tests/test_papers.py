@@ -175,6 +175,9 @@ def test_a_key_no_dataclass_takes_is_an_error_naming_the_file_and_key(tmp_path, 
         load_paper(tmp_path / "toy.toml")
     assert main(["--list", "--tables", str(tmp_path)]) == 2
     assert "toy.toml" in capsys.readouterr().err
+    (tmp_path / "toy.toml").write_text('title = "Toy\n')
+    with pytest.raises(ValueError, match=r"toy.toml: not valid TOML"):
+        load_paper(tmp_path / "toy.toml")
 
 
 
