@@ -30,13 +30,20 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from split_layer.records import message_type, node_partition, node_source
+from strategies.core.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    message_type,
+    node_partition,
+    node_source,
+)
 from tasks.augment import Augmenter
 from tasks.config import ConfigError, TaskConfig
-from tasks.env import Env, NodeData, user_env
+from tasks.env import Env, NodeData, check_user_model, user_augmenter, user_env, user_num_classes
 
 from .registry import algorithm_for
 
@@ -68,6 +75,19 @@ class AlgorithmClient:
         self.model, self.data = model, data
         self.num_classes, self.augmenter, self.flip = num_classes, augmenter, flip
         self._envs: dict[tuple[int, TaskConfig, int | None], Env] = {}
+        # what can be checked before a message comes is checked here, with the strategies' checks
+        # (tasks.env.user_env): a model the algorithm cannot train; the sets it needs, images,
+        # labels outside the model's classes (data given as a function of the node's Context:
+        # at its first message)
+        try:
+            check_user_model(model, staged=self.staged, cut_known=False)
+            if not callable(data):
+                node = self.node_data(None)
+                user_num_classes(model, node, num_classes)
+                user_augmenter(node, augmenter, flip)
+        except ConfigError as e:
+            name = type(self).__name__
+            raise ConfigError(str(e) if str(e).startswith(f"{name}: ") else f"{name}: {e}") from None
 
     @property
     def specs(self) -> dict[str, Any]:
@@ -131,6 +151,24 @@ class AlgorithmClient:
     def app(self) -> ClientApp:
         """A new ClientApp with this client registered."""
         return self.register(ClientApp())
+
+
+def server_round(msg: Message) -> int:
+    """The round a server message belongs to (its config's ``server-round``)."""
+    return int(msg.content.config_records[CONFIG_KEY]["server-round"])
+
+
+def reply(msg: Message, arrays: ArrayRecord | None = None, metrics: dict | None = None,
+          config: dict | None = None) -> Message:
+    """The reply to ``msg``: ``arrays`` (if given), ``metrics`` (always, maybe empty) and
+    ``config`` (if given) under the library's record keys."""
+    content = RecordDict()
+    if arrays is not None:
+        content[ARRAYS_KEY] = arrays
+    content[METRICS_KEY] = MetricRecord(dict(metrics or {}))
+    if config is not None:
+        content[CONFIG_KEY] = ConfigRecord(config)
+    return Message(content, reply_to=msg)
 
 
 def client_app(*clients: AlgorithmClient) -> ClientApp:

@@ -30,18 +30,38 @@ evaluated with it. FedBN-SL, the same federation trained with CE on fully labele
 """
 from __future__ import annotations
 
+import torch
+
+from tasks.config import ConfigError
+
 from .client import AlgorithmClient
-from .fixmatch_baselines import _CLIENT_LOCAL, FixMatchFedStrategy, spec
-from .registry import bind
+from .fixmatch_baselines import STATE_BN, FixMatchFedStrategy, FixMatchTrainer, batchnorm_keys, spec
+from .registry import register
+
+
+class FixBNTrainer(FixMatchTrainer):
+    """FedBN's client: every BatchNorm entry stays on the node."""
+
+    state_key = STATE_BN
+
+    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+        keys = batchnorm_keys(model)
+        if not keys:
+            raise ConfigError(f"FedBN (algo fixbn, fedbn-sl) keeps the BatchNorm layers local, and "
+                              f"{type(model).__name__} has none: use a model with nn.BatchNorm layers "
+                              "(run config: norm='bn')")
+        return keys
 
 
 class FixBNStrategy(FixMatchFedStrategy):
     """FedBN's server: the uniform mean of the non-BN entries (every BatchNorm layer stays on its node)."""
 
+    trainer = FixBNTrainer()
+    uniform = send_local_init = True
 
-ALGORITHMS = bind({
-    "fixbn": spec("fixbn", FixBNStrategy, "fixbn",
-                  "FedBN + FixMatch: BatchNorm layers local, uniform mean of the rest", _CLIENT_LOCAL),
+
+ALGORITHMS = register({
+    "fixbn": spec("fixbn", FixBNStrategy, "FedBN + FixMatch: BatchNorm layers local, uniform mean of the rest"),
 })
 
 

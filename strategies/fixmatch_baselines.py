@@ -58,7 +58,7 @@ on the client's test split.
 """
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -66,19 +66,19 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
-    CONFIG_KEY,
     METRICS_KEY,
+    algo_config,
     model_to_record,
     record_to_numpy,
 )
-from tasks.config import ConfigError
+from tasks.config import ConfigError, knob
 from tasks.data import ArrayDataset
 from tasks.env import Env
+from tasks.models import head_prefix
 from tasks.training import (
     derive_seed,
-    evaluate,
     load_numpy_state,
     make_sgd,
     num_local_steps,
@@ -87,29 +87,31 @@ from tasks.training import (
 )
 
 from .base import TrainFold
-from .client import AlgorithmClient
-from .personalized import PersonalizedEvalStrategy
-from .registry import AlgorithmSpec, bind
-from .umpfssl import (
-    _HANDLERS,
-    STATE_HEAD,
-    STATE_MODEL,
-    UMPFSSLConfig,
-    _algo_cfg,
-    _env,
-    _head_keys,
-    _reply,
-    _spec,
-)
+from .client import AlgorithmClient, reply, server_round
+from .personalized import PersonalizedEvalStrategy, evaluate_on_own_test, personal_env
+from .registry import AlgorithmSpec, register
+from .umpfssl import PAPER
 
+STATE_HEAD = "umpfssl.head"   # ArrayRecord: FedPer's local head
+STATE_MODEL = "umpfssl.model"  # ArrayRecord: local-only's model
 STATE_BN = "umpfssl.bn"       # ArrayRecord: FedBN's local BatchNorm (fixbn, fedbn-sl)
 STATE_BODY = "umpfssl.body"   # ArrayRecord: LG-FedAvg's local representation
 LOCAL_INIT_KEY = "local-init"  # ArrayRecord: the initial model's local part, with a node's first message
-#: mode -> the context.state key of the part of the model that stays on the node
-LOCAL_PART = {"fedper": STATE_HEAD, "fixbn": STATE_BN, "fedbn-sl": STATE_BN, "lg": STATE_BODY}
-SL_MODES = ("fedavg-sl", "fedprox-sl", "fedbn-sl")   # plain CE on fully labeled data (the references)
-UNIFORM_MODES = ("fixbn", "fedbn-sl", "lg")          # uniform mean of the uploads (FedBN's, LG-FedAvg's code)
-SEND_LOCAL_INIT = ("fixbn", "fedbn-sl", "lg")        # initial_arrays' local part reaches a node once
+#: the context.state keys a baseline keeps from round to round (strategies.node_state)
+NODE_STATE = (STATE_HEAD, STATE_MODEL, STATE_BN, STATE_BODY)
+
+
+@dataclass(frozen=True)
+class FixMatchConfig:
+    """The FixMatch baselines' knobs (``fixmatch.*``; FixProx's and pFedMe's configs extend it):
+    FixMatch's defaults (Sohn et al. 2020) and UM-pFSSL's per-client evaluation period."""
+
+    namespace = "fixmatch"   # (a class attribute, not a key)
+
+    tau: float = knob(0.95, lo=0.0, hi=1.0, help="FixMatch confidence threshold")
+    lambda_u: float = knob(1.0, lo=0.0, help="FixMatch unlabeled-loss weight")
+    uratio: int = knob(1, lo=1, help="FixMatch unlabeled batch = uratio x batch-size")
+    eval_every: int = knob(1, lo=1, help="per-client test evaluation every this many rounds (and the last)")
 
 
 def batchnorm_keys(model: torch.nn.Module) -> list[str]:
@@ -121,25 +123,10 @@ def batchnorm_keys(model: torch.nn.Module) -> list[str]:
     return out
 
 
-def local_keys(model: torch.nn.Module, mode: str) -> list[str] | None:
-    """The keys that stay on the node in ``mode`` (``None``: the whole model travels)."""
-    if mode in ("fixbn", "fedbn-sl"):
-        keys = batchnorm_keys(model)
-        if not keys:
-            raise ConfigError(f"umpfssl.mode={mode!r} (FedBN) keeps the BatchNorm layers local, and "
-                              f"{type(model).__name__} has none: use a model with nn.BatchNorm layers "
-                              "(run config: norm='bn')")
-        return keys
-    if mode == "fedper":
-        return _head_keys(model)
-    if mode == "lg":
-        head = set(_head_keys(model))
-        body = [k for k in model.state_dict() if k not in head]
-        if not body:
-            raise ConfigError(f"umpfssl.mode='lg' (LG-FedAvg) keeps the layers below the head local, and "
-                              f"{type(model).__name__} has only its head")
-        return body
-    return None
+def head_keys(model: torch.nn.Module) -> list[str]:
+    """The state-dict keys of the model's head (:func:`tasks.models.head_prefix`)."""
+    prefix = head_prefix(model)
+    return [k for k in model.state_dict() if k.startswith(prefix)]
 
 
 def fully_labeled(env: Env) -> ArrayDataset:
@@ -154,93 +141,135 @@ def fully_labeled(env: Env) -> ArrayDataset:
     return ArrayDataset(np.concatenate([lab.x, unl.x]), np.concatenate([lab.y, unl.y]))
 
 
-def load_personal(model: torch.nn.Module, msg: Message, context: Context, mode: str) -> None:
-    """The node's model: the received (global) part, plus its local part from ``context.state``,
-    else the ``local-init`` the server sent, else the model's own initial values."""
+def load_personal(model: torch.nn.Module, msg: Message, context: Context, state_key: str | None) -> None:
+    """The node's model: the received (global) part, plus its local part from
+    ``context.state[state_key]``, else the ``local-init`` the server sent, else the model's own
+    initial values (``state_key=None``: the received model is the whole model)."""
     rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
-    key = LOCAL_PART.get(mode)
-    if key is not None and key in context.state:
-        rec.update(record_to_numpy(context.state.array_records[key]))
-    elif key is not None and LOCAL_INIT_KEY in msg.content.array_records:
+    if state_key is not None and state_key in context.state:
+        rec.update(record_to_numpy(context.state.array_records[state_key]))
+    elif state_key is not None and LOCAL_INIT_KEY in msg.content.array_records:
         rec.update(record_to_numpy(msg.content.array_records[LOCAL_INIT_KEY]))
-    load_numpy_state(model, rec, strict=key is None)
+    load_numpy_state(model, rec, strict=state_key is None)
 
 
-def _train(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig,
-           regularizer: Callable[[torch.nn.Module], Any] | None = None) -> Message:
-    """Every mode of this module (FixMatch, or CE on fully labeled data for the *-sl modes)."""
-    conf = msg.content.config_records[CONFIG_KEY]
-    rnd, pid, t = int(conf["server-round"]), env.partition_id, env.task
-    model = env.build_model()
-    if cfg.mode == "local":
+# =============================================================================== client side
+class FixMatchTrainer:
+    """FixAvg's client (FedAvg + FixMatch): the whole model travels, FixMatch's local steps
+    (:func:`tasks.training.train_fixmatch`) on the node's labeled and unlabeled data. A
+    baseline overrides what differs: the part kept on the node (:attr:`state_key`,
+    :meth:`local_keys`), a term added to the loss (:meth:`regularizer`), the local
+    training (:meth:`fit`), how the model is loaded and kept (:meth:`load`, :meth:`keep`)."""
+
+    config_cls: type = FixMatchConfig
+    state_key: str | None = None   # context.state key of the part that stays on the node
+
+    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+        """The keys that stay on the node (``None``: the whole model travels)."""
+        return None
+
+    def regularizer(self, model: torch.nn.Module, cfg: Any) -> Callable[[], torch.Tensor] | None:
+        """A term added to every step's loss, made when the received weights are loaded."""
+        return None
+
+    def fit(self, model: torch.nn.Module, env: Env, cfg: Any, rnd: int, reg: Callable | None) -> dict[str, Any]:
+        """The local training: FixMatch on the node's labeled and unlabeled data."""
+        t, lab, unl = env.task, env.labeled(), env.unlabeled()
+        return train_fixmatch(model, lab, unl, aug=env.augmenter, steps=num_local_steps(t, len(lab) + len(unl)),
+                              batch_size=t.batch_size, unlabeled_batch_size=cfg.uratio * t.batch_size,
+                              optimizer=make_sgd(model.parameters(), t), device=env.device,
+                              seed=derive_seed(t.seed, "fixmatch", rnd, env.partition_id), tau=cfg.tau,
+                              lambda_u=cfg.lambda_u, regularizer=reg)
+
+    def load(self, model: torch.nn.Module, msg: Message, context: Context) -> None:
+        """The node's model for this message (:func:`load_personal`)."""
+        load_personal(model, msg, context, self.state_key)
+
+    def keep(self, model: torch.nn.Module, local: list[str] | None, context: Context) -> ArrayRecord | None:
+        """Keep the local part in ``context.state``; return what the node uploads (the rest)."""
+        if local is None:
+            return model_to_record(model)
+        context.state[self.state_key] = model_to_record(model, local)
+        return model_to_record(model, [k for k in model.state_dict() if k not in set(local)])
+
+    def train(self, msg: Message, context: Context) -> Message:
+        """``train``: load, train locally, keep the local part, upload the rest."""
+        env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
+        model = env.build_model()
+        self.load(model, msg, context)
+        local = self.local_keys(model)
+        out = self.fit(model, env, cfg, server_round(msg), self.regularizer(model, cfg))
+        out["num-examples"] = float(len(env.labeled()) + len(env.unlabeled()))
+        out["partition-id"] = env.partition_id
+        return reply(msg, self.keep(model, local, context), out)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        """``evaluate``: the node's model (:meth:`load`) on its own test split."""
+        env = personal_env(msg, context)
+        model = env.build_model()
+        self.load(model, msg, context)
+        return evaluate_on_own_test(msg, env, model)
+
+    def handlers(self) -> dict[str, Callable[[Message, Context], Message]]:
+        return {"train": self.train, "evaluate": self.evaluate}
+
+
+class FedPerTrainer(FixMatchTrainer):
+    """FedPer + FixMatch: the head stays on the node, the body travels."""
+
+    state_key = STATE_HEAD
+
+    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+        return head_keys(model)
+
+
+class LocalOnlyTrainer(FixMatchTrainer):
+    """Local-only: the whole model stays on the node (the run's initial arrays, if any, before
+    its first training), nothing is uploaded."""
+
+    state_key = STATE_MODEL
+
+    def load(self, model: torch.nn.Module, msg: Message, context: Context) -> None:
         if STATE_MODEL in context.state:
             load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
         elif ARRAYS_KEY in msg.content.array_records:  # the run's initial_arrays, before the first round
             load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
-    else:
-        load_personal(model, msg, context, cfg.mode)
-    local = local_keys(model, cfg.mode) if cfg.mode != "local" else None
-    reg = regularizer(model) if regularizer is not None else None
-    lab, unl = env.labeled(), env.unlabeled()
-    if cfg.mode in SL_MODES:
-        data = fully_labeled(env)
-        out = train_supervised(model, data, aug=env.augmenter, steps=num_local_steps(t, len(data)),
-                               batch_size=t.batch_size, optimizer=make_sgd(model.parameters(), t),
-                               device=env.device, seed=derive_seed(t.seed, "supervised-ref", rnd, pid),
-                               regularizer=reg)
-    else:
-        out = train_fixmatch(model, lab, unl, aug=env.augmenter, steps=num_local_steps(t, len(lab) + len(unl)),
-                             batch_size=t.batch_size, unlabeled_batch_size=cfg.fixmatch_uratio * t.batch_size,
-                             optimizer=make_sgd(model.parameters(), t), device=env.device,
-                             seed=derive_seed(t.seed, "fixmatch", rnd, pid), tau=cfg.fixmatch_tau,
-                             lambda_u=cfg.fixmatch_lambda_u, regularizer=reg)
-    out["num-examples"] = float(len(lab) + len(unl))
-    out["partition-id"] = pid
-    arrays = None
-    if cfg.mode == "local":
+
+    def keep(self, model: torch.nn.Module, local: list[str] | None, context: Context) -> ArrayRecord | None:
         context.state[STATE_MODEL] = model_to_record(model)
-    elif local is not None:
-        context.state[LOCAL_PART[cfg.mode]] = model_to_record(model, local)
-        arrays = model_to_record(model, [k for k in model.state_dict() if k not in set(local)])
-    else:
-        arrays = model_to_record(model)
-    return _reply(msg, arrays, out)
+        return None
 
 
-def client_train(msg: Message, context: Context, regularizer: Callable[[torch.nn.Module], Any] | None = None
-                 ) -> Message:
-    """Local training of the mode (module docstring); ``regularizer(model)``, if given, returns a
-    term added to every step's loss, made when the received weights are loaded (FixProx:
-    :func:`tasks.losses.proximal_term`)."""
-    return _train(msg, context, _env(msg, context), _algo_cfg(msg), regularizer)
+class SupervisedReference:
+    """Mixin of the privileged-label references (``*-sl``): plain CE on the node's fully labeled
+    data (:func:`fully_labeled`, weak view) instead of FixMatch."""
+
+    def fit(self, model: torch.nn.Module, env: Env, cfg: Any, rnd: int, reg: Callable | None) -> dict[str, Any]:
+        t, data = env.task, fully_labeled(env)
+        return train_supervised(model, data, aug=env.augmenter, steps=num_local_steps(t, len(data)),
+                                batch_size=t.batch_size, optimizer=make_sgd(model.parameters(), t),
+                                device=env.device, seed=derive_seed(t.seed, "supervised-ref", rnd, env.partition_id),
+                                regularizer=reg)
 
 
-def client_evaluate(msg: Message, context: Context) -> Message:
-    """``evaluate`` of the modes with a local part (fixbn, fedbn-sl, lg): the received global
-    part plus the node's own local part, on the node's test split."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
-    model = env.build_model()
-    load_personal(model, msg, context, cfg.mode)
-    test = env.client_test()
-    res = evaluate(model, test, aug=env.augmenter, device=env.device, num_classes=env.num_classes)
-    return _reply(msg, None, {"accuracy": res["accuracy"], "num-examples": float(len(test)),
-                              "partition-id": env.partition_id})
-
-
+# =============================================================================== server side
 class FixMatchFedStrategy(PersonalizedEvalStrategy):
-    """fixavg / fixprox / fedavg-sl / fedprox-sl (global model), fedper-fix (global body, local
-    heads), fixbn / fedbn-sl (global non-BN entries, local BN, uniform mean) and lg-fedavg-fix
-    (global head, local bodies, uniform mean)."""
+    """FixAvg's server: FedAvg of what travels (:attr:`trainer`'s shared part), evaluated per
+    client. A baseline sets :attr:`trainer` (its client side), :attr:`uniform` (the uniform
+    mean of the uploads instead of FedAvg's n_k weights) and :attr:`send_local_init` (the
+    initial arrays' local part reaches a node once)."""
+
+    trainer: FixMatchTrainer = FixMatchTrainer()
+    uniform = False
+    send_local_init = False
+    reply_metrics = ("train-loss", "mask-rate")
 
     def setup_algorithm(self) -> None:
         self.body_keys = None   # the keys that travel (None: all)
         self.seeded: set[int] = set()   # nodes that trained once (they hold their local part)
-        local = local_keys(self.model, self.cfg.mode)
+        local = self.trainer.local_keys(self.model)
         if local is not None:
             self.body_keys = [k for k in self.model.state_dict() if k not in set(local)]
-        self.uniform = self.cfg.mode in UNIFORM_MODES
-        if self.cfg.mode in SL_MODES:
-            self.reply_metrics = ("train-loss",)
 
     def global_arrays(self) -> ArrayRecord:
         return model_to_record(self.model, self.body_keys)
@@ -249,8 +278,6 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
         """The global model (fedper-fix: the global body, fixbn: the non-BN entries, lg-fedavg-fix:
         the head; the local parts stay on the nodes)."""
         return self.global_arrays()
-
-    reply_metrics = ("train-loss", "mask-rate")
 
     def local_init(self) -> ArrayRecord:
         """The initial model's local part (the server aggregates only the shared part, so its
@@ -265,19 +292,19 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
         msgs = list(super().configure_train(server_round, arrays, config, grid))
-        if self.initial_given and self.cfg.mode in SEND_LOCAL_INIT:
+        if self.initial_given and self.send_local_init:
             for m in msgs:
                 if m.metadata.dst_node_id not in self.seeded:
                     m.content[LOCAL_INIT_KEY] = self.local_init()
         return msgs
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
-        if self.initial_given and self.cfg.mode in SEND_LOCAL_INIT and node not in self.seeded:
+        if self.initial_given and self.send_local_init and node not in self.seeded:
             return model_to_record(self.model)   # never trained: the initial local part
         return self.global_arrays()
 
     def train_fold(self, server_round: int) -> TrainFold:
-        """FedAvg's ``num-examples`` weights, or the uniform mean (fixbn, fedbn-sl, lg); every node
+        """FedAvg's ``num-examples`` weights, or the uniform mean (:attr:`uniform`); every node
         that replies holds its local part from then on (``seeded``)."""
         return _SeedingFold(self, uniform=self.uniform)
 
@@ -286,7 +313,7 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         out = super().run_round(server_round, grid)
-        out.update(self.maybe_eval(grid, server_round))
+        out.update(self.maybe_eval(grid, server_round, self.cfg.eval_every))
         return out
 
     def extra_state(self) -> dict[str, Any]:
@@ -303,10 +330,17 @@ class _SeedingFold(TrainFold):
         super().add(reply)
 
 
+class FedPerFixStrategy(FixMatchFedStrategy):
+    """FedPer's server: FedAvg of the bodies (the heads stay on their nodes)."""
+
+    trainer = FedPerTrainer()
+
+
 class LocalOnlyStrategy(PersonalizedEvalStrategy):
     """Every client trains alone (FixMatch on its own data); no weights are exchanged, except
     the run's ``initial_arrays`` (if given) with a node's first training message."""
 
+    trainer: FixMatchTrainer = LocalOnlyTrainer()
     returns_model = False  # every model stays on its node: Result.arrays is empty
 
     def setup_algorithm(self) -> None:
@@ -334,29 +368,26 @@ class LocalOnlyStrategy(PersonalizedEvalStrategy):
         if mets:
             out["train-loss"] = float(np.mean([float(m["train-loss"]) for m in mets]))
             out["mask-rate"] = float(np.mean([float(m["mask-rate"]) for m in mets]))
-        out.update(self.maybe_eval(grid, server_round))
+        out.update(self.maybe_eval(grid, server_round, self.cfg.eval_every))
         return out
 
 
-_CLIENT = {"train": client_train, "evaluate": _HANDLERS["evaluate"]}
-_CLIENT_LOCAL = {"train": client_train, "evaluate": client_evaluate}   # modes with a local part
-_STATE = (STATE_HEAD, STATE_MODEL, STATE_BN, STATE_BODY)
-
-
-def spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: tuple[str, ...] = _STATE,
+def spec(name: str, cls: type, desc: str, node_state: tuple[str, ...] = NODE_STATE,
          label_metrics: bool = True) -> AlgorithmSpec:
-    """UM-pFSSL's ``_spec`` (its config, ``mode`` fixed); ``label_metrics=False`` for the *-sl
-    references, whose replies carry no metric computed from labels."""
-    out = _spec(name, cls, mode, desc, client, node_state)
-    return out if label_metrics else dataclasses.replace(out, label_metrics=())
+    """A baseline's spec: its strategy class, the config and client handlers of the class's
+    :attr:`trainer`; ``label_metrics=False`` for the rows whose replies carry no metric
+    computed from labels (the *-sl references, pFedMe)."""
+    cfg = cls.trainer.config_cls
+    return AlgorithmSpec(name=name, paper=f"{PAPER}, baseline", strategy_cls=cls, config_cls=cfg,
+                         namespace=cfg.namespace, client=cls.trainer.handlers(), description=desc,
+                         node_state=node_state,
+                         label_metrics=("pseudo-label-accuracy", "corr-self") if label_metrics else ())
 
 
-ALGORITHMS = bind({
-    "fixavg": _spec("fixavg", FixMatchFedStrategy, "fixavg", "FedAvg + FixMatch on unlabeled data", _CLIENT, _STATE),
-    "fedper-fix": _spec("fedper-fix", FixMatchFedStrategy, "fedper", "FedPer (shared body, local head) + FixMatch",
-                        _CLIENT, _STATE),
-    "local-only": _spec("local-only", LocalOnlyStrategy, "local",
-                        "each client trains alone (FixMatch), no weights exchanged", _CLIENT, _STATE),
+ALGORITHMS = register({
+    "fixavg": spec("fixavg", FixMatchFedStrategy, "FedAvg + FixMatch on unlabeled data"),
+    "fedper-fix": spec("fedper-fix", FedPerFixStrategy, "FedPer (shared body, local head) + FixMatch"),
+    "local-only": spec("local-only", LocalOnlyStrategy, "each client trains alone (FixMatch), no weights exchanged"),
 })
 
 

@@ -7,39 +7,55 @@ FedAvg does. Here the local objective is FixMatch's (``strategies.fixmatch_basel
 
     L_k(w) = CE(f_w(weak(x_l)), y_l) + lambda_u L_u(w) + mu/2 ||w - w^t||^2
 
-``mu`` is ``umpfssl.prox-mu`` (default 0.01, UM-pFSSL's setting). The server is FixAvg's,
-unchanged; ``mu`` reaches the client in the ``algo`` record every message carries.
+``mu`` is ``fixprox.mu`` (default 0.01, UM-pFSSL's setting; FixMatch's keys as ``fixmatch.*``,
+under ``fixprox.*``). The server is FixAvg's, unchanged; ``mu`` reaches the client in the
+``algo`` record every message carries.
 
 Client contract: FixAvg's (``train``: ``arrays`` in, ``arrays`` and ``num-examples`` out;
 ``evaluate`` on the node's test split), with the proximal term added to every local step.
-The same ``client_train`` serves ``fedprox-sl`` (:mod:`strategies.supervised_refs`), whose mode
-trains with plain CE on fully labeled data instead of FixMatch.
+:class:`FixProxTrainer` is also the base of ``fedprox-sl``'s client
+(:mod:`strategies.supervised_refs`), which trains with plain CE on fully labeled data instead of FixMatch.
 """
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from dataclasses import dataclass
+from typing import Any, Callable
 
+import torch
+
+from tasks.config import knob
 from tasks.losses import proximal_term
 
-from .fixmatch_baselines import _CLIENT, _STATE, FixMatchClient, FixMatchFedStrategy
-from .fixmatch_baselines import client_train as fixavg_train
-from .registry import bind
-from .umpfssl import _algo_cfg, _spec
+from .fixmatch_baselines import FixMatchClient, FixMatchConfig, FixMatchFedStrategy, FixMatchTrainer, spec
+from .registry import register
+
+
+@dataclass(frozen=True)
+class FixProxConfig(FixMatchConfig):
+    """FixProx's knobs (``fixprox.*``): FixMatch's plus FedProx's ``mu``."""
+
+    namespace = "fixprox"
+
+    mu: float = knob(0.01, lo=0.0, help="FedProx proximal weight mu")
+
+
+class FixProxTrainer(FixMatchTrainer):
+    """FixAvg's client plus ``mu/2 ||w - w^t||^2`` in every local step."""
+
+    config_cls = FixProxConfig
+
+    def regularizer(self, model: torch.nn.Module, cfg: Any) -> Callable[[], torch.Tensor] | None:
+        return proximal_term(model, cfg.mu)
 
 
 class FixProxStrategy(FixMatchFedStrategy):
     """FixAvg's server: FedProx changes only the clients' objective."""
 
-
-def client_train(msg: Message, context: Context) -> Message:
-    """FixAvg's local training plus ``mu/2 ||w - w^t||^2``."""
-    mu = _algo_cfg(msg).prox_mu
-    return fixavg_train(msg, context, regularizer=lambda model: proximal_term(model, mu))
+    trainer = FixProxTrainer()
 
 
-ALGORITHMS = bind({
-    "fixprox": _spec("fixprox", FixProxStrategy, "fixprox", "FedProx + FixMatch on unlabeled data",
-                     {**_CLIENT, "train": client_train}, _STATE),
+ALGORITHMS = register({
+    "fixprox": spec("fixprox", FixProxStrategy, "FedProx + FixMatch on unlabeled data"),
 })
 
 

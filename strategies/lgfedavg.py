@@ -30,18 +30,39 @@ the library's models (for ResNet-9 too [ours]: the code's CNN keeps its last two
 """
 from __future__ import annotations
 
+import torch
+
+from tasks.config import ConfigError
+
 from .client import AlgorithmClient
-from .fixmatch_baselines import _CLIENT_LOCAL, FixMatchFedStrategy, spec
-from .registry import bind
+from .fixmatch_baselines import STATE_BODY, FixMatchFedStrategy, FixMatchTrainer, head_keys, spec
+from .registry import register
+
+
+class LGFedAvgTrainer(FixMatchTrainer):
+    """LG-FedAvg's client: every entry below the head stays on the node."""
+
+    state_key = STATE_BODY
+
+    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+        head = set(head_keys(model))
+        body = [k for k in model.state_dict() if k not in head]
+        if not body:
+            raise ConfigError(f"LG-FedAvg (algo lg-fedavg-fix) keeps the layers below the head local, and "
+                              f"{type(model).__name__} has only its head")
+        return body
 
 
 class LGFedAvgStrategy(FixMatchFedStrategy):
     """LG-FedAvg's server: the uniform mean of the heads (the bodies stay on their nodes)."""
 
+    trainer = LGFedAvgTrainer()
+    uniform = send_local_init = True
 
-ALGORITHMS = bind({
-    "lg-fedavg-fix": spec("lg-fedavg-fix", LGFedAvgStrategy, "lg",
-                          "LG-FedAvg + FixMatch: local representation, global head (uniform mean)", _CLIENT_LOCAL),
+
+ALGORITHMS = register({
+    "lg-fedavg-fix": spec("lg-fedavg-fix", LGFedAvgStrategy,
+                          "LG-FedAvg + FixMatch: local representation, global head (uniform mean)"),
 })
 
 

@@ -7,24 +7,44 @@ fairness measure).
 
 Client contract: an ``evaluate`` message carries what the node needs to rebuild its model
 (:meth:`PersonalizedEvalStrategy.eval_payload`; ``arrays``, or nothing) and the reply's
-``metrics`` carry ``accuracy``, ``num-examples`` and ``partition-id``.
+``metrics`` carry ``accuracy``, ``num-examples`` and ``partition-id``
+(:func:`evaluate_on_own_test`, the one client side of it).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message
+import torch
+from flwr.app import ArrayRecord, Context, Message
 from flwr.serverapp import Grid
 
-from split_layer.records import ARRAYS_KEY, METRICS_KEY
+from strategies.core.records import ARRAYS_KEY, METRICS_KEY, client_env
+from tasks.env import Env
+from tasks.training import evaluate
 
 from .base import BaseStrategy
+from .client import reply
+
+
+def personal_env(msg: Message, context: Context) -> Env:
+    """The node's Env for personalised evaluation: the ``dir2`` partition (labeled and
+    unlabeled shares per client) with the node's own test split."""
+    return client_env(msg, context, label_mode="dir2", with_test=True)
+
+
+def evaluate_on_own_test(msg: Message, env: Env, model: torch.nn.Module) -> Message:
+    """The reply to an ``evaluate`` message: ``model``'s accuracy on the node's own test split."""
+    test = env.client_test()
+    res = evaluate(model, test, aug=env.augmenter, device=env.device, num_classes=env.num_classes)
+    return reply(msg, None, {"accuracy": res["accuracy"], "num-examples": float(len(test)),
+                             "partition-id": env.partition_id})
 
 
 class PersonalizedEvalStrategy(BaseStrategy):
     """Shared server side of every variant: dir2 partition with per-client test splits, and
-    per-client evaluation (``evaluate`` messages) every ``eval-every`` rounds and at the end.
+    per-client evaluation (``evaluate`` messages) every ``every`` rounds (the caller's config)
+    and at the end.
 
     The round's ``accuracy`` is the mean of the clients' test accuracies (unweighted, as the
     paper), ``client-accuracies`` the list by partition id (``client-ids``), ``client-accuracy-var`` the
@@ -37,7 +57,6 @@ class PersonalizedEvalStrategy(BaseStrategy):
     def __init__(self, *a, **kw) -> None:
         self.last_eval: dict[str, Any] = {}    # (set before the base's __init__, which sets a user's model up)
         self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
-        self.counts: dict[str, int] = {}
         super().__init__(*a, **kw)
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
@@ -69,9 +88,9 @@ class PersonalizedEvalStrategy(BaseStrategy):
                 "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
                 "client-accuracies": vals, "client-ids": sorted(accs)}
 
-    def maybe_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
-        cfg = self.cfg
-        if server_round % cfg.eval_every == 0 or server_round == self.num_rounds:
+    def maybe_eval(self, grid: Grid, server_round: int, every: int = 1) -> dict[str, Any]:
+        """The per-client evaluation when ``server_round`` is a multiple of ``every`` or the last."""
+        if server_round % every == 0 or server_round == self.num_rounds:
             self.last_eval = self.client_eval(grid, server_round)
             self.round_eval = dict(self.last_eval)
             return dict(self.last_eval)
@@ -79,15 +98,8 @@ class PersonalizedEvalStrategy(BaseStrategy):
 
     def evaluate_global(self) -> dict[str, Any]:
         """The per-client evaluation of this round (run in ``run_round``: it needs the grid);
-        nothing for round 0 and for rounds between ``eval-every`` evaluations."""
+        nothing for round 0 and for rounds between evaluations."""
         out, self.round_eval = self.round_eval, {}
-        return out
-
-    def count(self, reason: str, n: int = 1) -> None:
-        self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
-
-    def flush_counts(self) -> dict[str, int]:
-        out, self.counts = dict(self.counts), {}
         return out
 
     def extra_state(self) -> dict[str, Any]:

@@ -9,13 +9,13 @@ FixMatch, NeurIPS 2020).
 Update rule (:mod:`tasks.pfedme`). Client k sets w_k <- w, theta <- w, and for each of its
 R local steps (``local-epochs`` passes over D_k^s + D_k^u, or ``local-steps``), on one mini-batch:
 
-1. K inner steps (``pfedme-inner-steps``) approximate
+1. K inner steps (``pfedme.inner-steps``) approximate
    ``theta_k = argmin_theta f_k(theta) + lambda/2 ||theta - w_k||^2``:
    ``theta <- theta - plr (grad f_k(theta) + lambda (theta - w_k) + wd theta)``
-   (``pfedme-personal-lr`` = plr, ``pfedme-lambda`` = lambda, the run's ``weight-decay`` = wd);
+   (``pfedme.personal-lr`` = plr, ``pfedme.lamda`` = lambda, the run's ``weight-decay`` = wd);
 2. ``w_k <- w_k - eta lambda (w_k - theta_k)``, eta the run's ``lr``.
 
-Server: ``w <- (1 - beta) w + beta sum_{k in S} n_k w_k / sum_{k in S} n_k`` (``pfedme-beta``;
+Server: ``w <- (1 - beta) w + beta sum_{k in S} n_k w_k / sum_{k in S} n_k`` (``pfedme.beta``;
 n_k weights as the code, the paper writes 1/S). The personalised model theta_k is the one
 evaluated: for evaluation each node computes theta_k from the current w by K inner steps
 on one seeded mini-batch of its data [ours: the paper evaluates theta_k, computed during
@@ -40,32 +40,47 @@ w_k's buffers are theta's (the code's models have none); only sampled clients tr
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Context, Message
 
-from split_layer.records import ARRAYS_KEY, CONFIG_KEY, model_to_record, record_to_numpy
+from strategies.core.records import ARRAYS_KEY, algo_config, model_to_record, record_to_numpy
+from tasks.config import knob
 from tasks.env import Env
-from tasks.pfedme import fixmatch_batch_loss, moreau_inner_steps, moreau_outer_step
+from tasks.pfedme import moreau_inner_steps, moreau_outer_step
 from tasks.training import (
     batch_indices,
     derive_seed,
-    evaluate,
+    fixmatch_loss,
     load_numpy_state,
     num_local_steps,
     seeded,
     to_device_batch,
 )
 
-from .client import AlgorithmClient
-from .fixmatch_baselines import FixMatchFedStrategy, spec
-from .registry import bind
-from .umpfssl import UMPFSSLConfig, _algo_cfg, _env, _reply
+from .client import AlgorithmClient, reply, server_round
+from .fixmatch_baselines import FixMatchConfig, FixMatchFedStrategy, FixMatchTrainer, spec
+from .personalized import evaluate_on_own_test, personal_env
+from .registry import register
 
 
-def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, cfg: UMPFSSLConfig, steps: int,
+@dataclass(frozen=True)
+class PFedMeConfig(FixMatchConfig):
+    """pFedMe's knobs (``pfedme.*``): FixMatch's plus the Moreau envelope's (defaults: the code's
+    CIFAR-10 README)."""
+
+    namespace = "pfedme"
+
+    lamda: float = knob(15.0, lo=0.0, help="Moreau-envelope weight lambda (the code's --lamda)")
+    inner_steps: int = knob(5, lo=1, help="K gradient steps approximating theta_k per local step")
+    personal_lr: float = knob(0.01, lo=0.0, lo_open=True, help="step size of the K inner steps")
+    beta: float = knob(1.0, lo=0.0, hi=2.0, lo_open=True, help="server w <- (1 - beta) w + beta * weighted mean")
+
+
+def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, cfg: PFedMeConfig, steps: int,
                  seed: int, outer: bool = True) -> dict[str, float]:
     """``steps`` pFedMe local steps (module docstring) on the node's data; ``outer=False``:
     the inner steps only (theta_k from a fixed w_k, for evaluation)."""
@@ -73,7 +88,7 @@ def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, c
     lab, unl = env.labeled(), env.unlabeled()
     theta.train()
     lab_it = iter(batch_indices(len(lab), t.batch_size, steps, torch.Generator().manual_seed(seed)))
-    unl_it = iter(batch_indices(len(unl), cfg.fixmatch_uratio * t.batch_size, steps,
+    unl_it = iter(batch_indices(len(unl), cfg.uratio * t.batch_size, steps,
                                 torch.Generator().manual_seed(seed + 1)))
     total, done, kept, seen_u = 0.0, 0, 0.0, 0
     with seeded(seed, env.device):   # augmentation and dropout draws
@@ -81,26 +96,25 @@ def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, c
             il, iu = next(lab_it, None), next(unl_it, None)
             if il is None and iu is None:
                 break
-            xw = y = uw = us = None
+            xw = y = views = None
             if il is not None:
                 xb, y = to_device_batch(lab, il, env.device)
                 xw = aug.weak(xb)
             if iu is not None:
                 xu, _ = to_device_batch(unl, iu, env.device)
-                uw, us = aug.weak_strong(xu)
+                views = aug.weak_strong(xu)   # drawn once: the K inner steps share one objective
             masks: list[torch.Tensor] = []
 
             def loss_fn() -> torch.Tensor:
-                loss, mask = fixmatch_batch_loss(theta, xw, y, uw, us, tau=cfg.fixmatch_tau,
-                                                 lambda_u=cfg.fixmatch_lambda_u)
+                loss, mask, _ = fixmatch_loss(theta, xw, y, views, tau=cfg.tau, lambda_u=cfg.lambda_u)
                 if mask is not None:
                     masks.append(mask)
                 return loss
 
-            total += moreau_inner_steps(theta, anchor, loss_fn, lam=cfg.pfedme_lambda, steps=cfg.pfedme_inner_steps,
-                                        lr=cfg.pfedme_personal_lr, weight_decay=t.weight_decay)
+            total += moreau_inner_steps(theta, anchor, loss_fn, lam=cfg.lamda, steps=cfg.inner_steps,
+                                        lr=cfg.personal_lr, weight_decay=t.weight_decay)
             if outer:
-                moreau_outer_step(anchor, theta, lam=cfg.pfedme_lambda, eta=t.lr)
+                moreau_outer_step(anchor, theta, lam=cfg.lamda, eta=t.lr)
             if masks:
                 kept += float(masks[-1].sum())
                 seen_u += len(masks[-1])
@@ -116,39 +130,43 @@ def _models(msg: Message, env: Env) -> tuple[torch.nn.Module, torch.nn.Module, l
     return model, theta, [p for p in model.parameters() if p.requires_grad]
 
 
-def client_train(msg: Message, context: Context) -> Message:
-    """pFedMe's local update (module docstring); replies w_k."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
-    rnd, pid, t = int(msg.content.config_records[CONFIG_KEY]["server-round"]), env.partition_id, env.task
-    model, theta, anchor = _models(msg, env)
-    n = len(env.labeled()) + len(env.unlabeled())
-    out: dict[str, Any] = pfedme_local(theta, anchor, env, cfg, num_local_steps(t, n),
-                                       derive_seed(t.seed, "pfedme", rnd, pid))
-    with torch.no_grad():   # w_k's buffers: theta's BatchNorm statistics
-        own = dict(model.named_buffers())
-        for name, b in theta.named_buffers():
-            own[name].copy_(b)
-    out.update({"num-examples": float(n), "partition-id": pid})
-    return _reply(msg, model_to_record(model), out)
+class PFedMeTrainer(FixMatchTrainer):
+    """pFedMe's client: the Moreau-envelope local update; theta_k evaluated."""
 
+    config_cls = PFedMeConfig
 
-def client_evaluate(msg: Message, context: Context) -> Message:
-    """theta_k from the received w (K inner steps on one seeded batch), on the node's test split."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
-    rnd, pid, t = int(msg.content.config_records[CONFIG_KEY]["server-round"]), env.partition_id, env.task
-    _, theta, anchor = _models(msg, env)
-    if len(env.labeled()) + len(env.unlabeled()) > 0:
-        pfedme_local(theta, anchor, env, cfg, 1, derive_seed(t.seed, "pfedme-eval", rnd, pid), outer=False)
-    test = env.client_test()
-    res = evaluate(theta, test, aug=env.augmenter, device=env.device, num_classes=env.num_classes)
-    return _reply(msg, None, {"accuracy": res["accuracy"], "num-examples": float(len(test)), "partition-id": pid})
+    def train(self, msg: Message, context: Context) -> Message:
+        """pFedMe's local update (module docstring); replies w_k."""
+        env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
+        rnd, pid, t = server_round(msg), env.partition_id, env.task
+        model, theta, anchor = _models(msg, env)
+        n = len(env.labeled()) + len(env.unlabeled())
+        out: dict[str, Any] = pfedme_local(theta, anchor, env, cfg, num_local_steps(t, n),
+                                           derive_seed(t.seed, "pfedme", rnd, pid))
+        with torch.no_grad():   # w_k's buffers: theta's BatchNorm statistics
+            own = dict(model.named_buffers())
+            for name, b in theta.named_buffers():
+                own[name].copy_(b)
+        out.update({"num-examples": float(n), "partition-id": pid})
+        return reply(msg, model_to_record(model), out)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        """theta_k from the received w (K inner steps on one seeded batch), on the node's test split."""
+        env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
+        rnd, pid, t = server_round(msg), env.partition_id, env.task
+        _, theta, anchor = _models(msg, env)
+        if len(env.labeled()) + len(env.unlabeled()) > 0:
+            pfedme_local(theta, anchor, env, cfg, 1, derive_seed(t.seed, "pfedme-eval", rnd, pid), outer=False)
+        return evaluate_on_own_test(msg, env, theta)
 
 
 class PFedMeStrategy(FixMatchFedStrategy):
     """pFedMe's server: ``w <- (1 - beta) w + beta * (n_k-weighted mean of the w_k)``."""
 
+    trainer = PFedMeTrainer()
+
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
-        beta = float(self.cfg.pfedme_beta)
+        beta = float(self.cfg.beta)
         if beta != 1.0:
             cur = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
             state = {k: ((1.0 - beta) * cur[k] + beta * v).astype(cur[k].dtype)
@@ -156,10 +174,9 @@ class PFedMeStrategy(FixMatchFedStrategy):
         load_numpy_state(self.model, state)
 
 
-ALGORITHMS = bind({
-    "pfedme-fix": spec("pfedme-fix", PFedMeStrategy, "pfedme",
-                       "pFedMe + FixMatch: Moreau-envelope personalisation, theta_k evaluated",
-                       {"train": client_train, "evaluate": client_evaluate}, (), label_metrics=False),
+ALGORITHMS = register({
+    "pfedme-fix": spec("pfedme-fix", PFedMeStrategy,
+                       "pFedMe + FixMatch: Moreau-envelope personalisation, theta_k evaluated", (), label_metrics=False),
 })
 
 

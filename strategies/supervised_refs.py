@@ -12,7 +12,7 @@ defines every other row is kept, not redrawn.
   Local SGD on CE from the global w; ``w <- sum_k n_k w_k / sum_k n_k`` (every entry).
 * ``fedprox-sl`` -- FedProx: T. Li, A. K. Sahu, M. Zaheer, M. Sanjabi, A. Talwalkar, V. Smith,
   "Federated Optimization in Heterogeneous Networks", MLSys 2020. FedAvg-SL plus
-  ``mu/2 ||w - w^t||^2`` in every local step (``umpfssl.prox-mu``, 0.01, FedProx's default here too).
+  ``mu/2 ||w - w^t||^2`` in every local step (``fixprox.mu``, 0.01, FedProx's default here too).
 * ``fedbn-sl`` -- FedBN: X. Li, M. Jiang, X. Zhang, M. Kamp, Q. Dou, "FedBN: Federated Learning
   on Non-IID Features via Local Batch Normalization", ICLR 2021. Every BatchNorm layer
   (parameters and buffers, found by module type) stays on the node; the uniform mean of
@@ -35,33 +35,55 @@ optimizer, no warm-up.
 from __future__ import annotations
 
 from .client import AlgorithmClient
-from .fixmatch_baselines import _CLIENT, _CLIENT_LOCAL, FixMatchFedStrategy, spec
-from .fixprox import client_train as fixprox_train
-from .registry import bind
+from .fedbn import FixBNStrategy, FixBNTrainer
+from .fixmatch_baselines import FixMatchFedStrategy, FixMatchTrainer, SupervisedReference, spec
+from .fixprox import FixProxStrategy, FixProxTrainer
+from .registry import register
+
+
+class FedAvgSLTrainer(SupervisedReference, FixMatchTrainer):
+    """FedAvg's client: CE on fully labeled data."""
+
+
+class FedProxSLTrainer(SupervisedReference, FixProxTrainer):
+    """FedProx's client: CE on fully labeled data plus ``mu/2 ||w - w^t||^2``."""
+
+
+class FedBNSLTrainer(SupervisedReference, FixBNTrainer):
+    """FedBN's client: CE on fully labeled data, BatchNorm kept on the node."""
 
 
 class FedAvgSLStrategy(FixMatchFedStrategy):
     """FedAvg (n_k-weighted) on fully labeled clients, evaluated per client."""
 
+    trainer = FedAvgSLTrainer()
+    reply_metrics = ("train-loss",)
 
-class FedProxSLStrategy(FixMatchFedStrategy):
+
+class FedProxSLStrategy(FixProxStrategy):
     """FedAvg's server: FedProx-SL changes only the clients' objective."""
 
+    trainer = FedProxSLTrainer()
+    reply_metrics = ("train-loss",)
 
-class FedBNSLStrategy(FixMatchFedStrategy):
+
+class FedBNSLStrategy(FixBNStrategy):
     """FedBN's server (uniform mean of the non-BN entries) on fully labeled clients."""
 
+    trainer = FedBNSLTrainer()
+    reply_metrics = ("train-loss",)
 
-ALGORITHMS = bind({
-    "fedavg-sl": spec("fedavg-sl", FedAvgSLStrategy, "fedavg-sl",
+
+ALGORITHMS = register({
+    "fedavg-sl": spec("fedavg-sl", FedAvgSLStrategy,
                       "FedAvg, CE on fully labeled clients (the unlabeled split's true labels): reference",
-                      _CLIENT, label_metrics=False),
-    "fedprox-sl": spec("fedprox-sl", FedProxSLStrategy, "fedprox-sl",
+                      label_metrics=False),
+    "fedprox-sl": spec("fedprox-sl", FedProxSLStrategy,
                        "FedProx, CE on fully labeled clients (the unlabeled split's true labels): reference",
-                       {**_CLIENT, "train": fixprox_train}, label_metrics=False),
-    "fedbn-sl": spec("fedbn-sl", FedBNSLStrategy, "fedbn-sl",
+                       label_metrics=False),
+    "fedbn-sl": spec("fedbn-sl", FedBNSLStrategy,
                      "FedBN, CE on fully labeled clients (the unlabeled split's true labels): reference",
-                     _CLIENT_LOCAL, label_metrics=False),
+                     label_metrics=False),
 })
 
 

@@ -3,8 +3,8 @@
 Paper: Y. Shi, S. Chen, H. Zhang, "Uncertainty Minimization for Personalized Federated
 Semi-Supervised Learning" (method: Sec. 4, Algorithms 1-2; choices where it is silent:
 ``docs/umpfssl.md``). The paper's FixMatch baselines
-(``fixavg``, ``fixprox``, ``fedper-fix``, ``local-only``) are :mod:`strategies.fixmatch_baselines`,
-on this module's config (``mode`` fixed) and evaluation. Every variant is evaluated the same way: each client's model on that
+(``fixavg``, ``fixprox``, ``fedper-fix``, ``local-only``, ...) are :mod:`strategies.fixmatch_baselines`
+and its subclasses, with their own config and this module's evaluation. Every variant is evaluated the same way: each client's model on that
 client's own test split; the run's ``accuracy`` is the mean over clients and
 ``client-accuracy-var`` their variance (the paper's fairness measure).
 
@@ -95,23 +95,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,
     algo_config,
-    client_env,
     model_to_record,
     numpy_to_record,
     query,
@@ -123,26 +115,20 @@ from tasks.distill import train_distill
 from tasks.env import Env
 from tasks.helper_selection import HelperScorer, refresh_ids, replace_helpers
 from tasks.mc_dropout import select_pseudo_labels
-from tasks.models import has_dropout, head_prefix
+from tasks.models import has_dropout
 from tasks.training import (
     derive_seed,
-    evaluate,
     load_numpy_state,
     make_sgd,
     train_supervised,
 )
 
-from .client import AlgorithmClient
-from .personalized import PersonalizedEvalStrategy
-from .registry import AlgorithmSpec, bind
+from .client import AlgorithmClient, reply, server_round
+from .personalized import PersonalizedEvalStrategy, evaluate_on_own_test, personal_env
+from .registry import AlgorithmSpec, register
 
 NS = "umpfssl"
-QUERY_ACTIONS = ("warmup", "select")   # this algorithm's own queries (strategies.registry)
-MODES = ("umpfssl", "fixavg", "fixprox", "fedper", "local",
-         "fixbn", "lg", "pfedme", "fedavg-sl", "fedprox-sl", "fedbn-sl")   # (the last six: Table 1's other rows)
 STATE_HELPERS = "umpfssl.helpers"   # ConfigRecord: ids, versions, corr (non-self members)
-STATE_HEAD = "umpfssl.head"         # ArrayRecord: FedPer's local head
-STATE_MODEL = "umpfssl.model"       # ArrayRecord: local-only's model
 
 
 @dataclass(frozen=True)
@@ -150,7 +136,6 @@ class UMPFSSLConfig:
     """UM-pFSSL knobs (``umpfssl.*``); defaults from the paper (Sec. 6.1) or, where it gives none,
     the library's (``docs/umpfssl.md``)."""
 
-    mode: str = knob("umpfssl", choices=MODES, help="set by the algorithm name; baselines are switches")
     helpers: int = knob(5, lo=1, help="helper-list size M, self included")
     replace: int = knob(2, lo=0, help="helpers replaced per round R (first F rounds)")
     search_rounds: int = knob(20, lo=0, help="F: replacement runs in rounds 1..F")
@@ -159,15 +144,6 @@ class UMPFSSLConfig:
     entropy_floor: float = knob(1e-3, lo=0.0, lo_open=True, help="clamp of the normalised entropy Hbar")
     warmup_epochs: int = knob(5, lo=0, help="supervised CE epochs on D_k^s before round 1")
     eval_every: int = knob(1, lo=1, help="per-client test evaluation every this many rounds (and the last)")
-    fixmatch_tau: float = knob(0.95, lo=0.0, hi=1.0, help="FixMatch confidence threshold (baselines)")
-    fixmatch_lambda_u: float = knob(1.0, lo=0.0, help="FixMatch unlabeled-loss weight (baselines)")
-    fixmatch_uratio: int = knob(1, lo=1, help="FixMatch unlabeled batch = uratio x batch-size (baselines)")
-    prox_mu: float = knob(0.01, lo=0.0, help="FedProx proximal weight (fixprox, fedprox-sl)")
-    pfedme_lambda: float = knob(15.0, lo=0.0, help="pFedMe: Moreau-envelope weight lambda (pfedme-fix)")
-    pfedme_inner_steps: int = knob(5, lo=1, help="pFedMe: K gradient steps approximating theta_k per local step")
-    pfedme_personal_lr: float = knob(0.01, lo=0.0, lo_open=True, help="pFedMe: step size of the K inner steps")
-    pfedme_beta: float = knob(1.0, lo=0.0, hi=2.0, lo_open=True,
-                              help="pFedMe: server w <- (1 - beta) w + beta * weighted mean")
 
     def validate(self) -> None:
         if self.replace > self.helpers - 1:
@@ -178,10 +154,6 @@ class UMPFSSLConfig:
 # =============================================================================== client side
 def _algo_cfg(msg: Message) -> UMPFSSLConfig:
     return algo_config(msg, UMPFSSLConfig)
-
-
-def _env(msg: Message, context: Context) -> Env:
-    return client_env(msg, context, label_mode="dir2", with_test=True)
 
 
 def _load(env: Env, rec: ArrayRecord) -> torch.nn.Module:
@@ -207,17 +179,6 @@ def _write_helpers(context: Context, ids: list[int], versions: list[int], corr: 
                                                  "corr": [float(c) for c in corr]})
 
 
-def _reply(msg: Message, arrays: ArrayRecord | None = None, metrics: dict | None = None,
-           config: dict | None = None) -> Message:
-    content = RecordDict()
-    if arrays is not None:
-        content[ARRAYS_KEY] = arrays
-    content[METRICS_KEY] = MetricRecord({k: v for k, v in (metrics or {}).items()})
-    if config is not None:
-        content[CONFIG_KEY] = ConfigRecord(config)
-    return Message(content, reply_to=msg)
-
-
 def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int, init: ArrayRecord | None = None
                   ) -> tuple[torch.nn.Module, dict]:
     """w_0 (the common seeded init, or ``init``: the server's ``initial_arrays``) plus
@@ -238,17 +199,17 @@ def _warmup_model(env: Env, cfg: UMPFSSLConfig, seed: int, init: ArrayRecord | N
 
 def client_warmup(msg: Message, context: Context) -> Message:
     """``query`` op ``warmup``: build w_0, train on D_k^s, upload (version 0)."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
+    env, cfg = personal_env(msg, context), _algo_cfg(msg)
     model, stats = _warmup_model(env, cfg, derive_seed(env.task.seed, "umpfssl-warmup", env.partition_id),
                                  msg.content.array_records.get(ARRAYS_KEY))
-    return _reply(msg, model_to_record(model), {"partition-id": env.partition_id, **stats})
+    return reply(msg, model_to_record(model), {"partition-id": env.partition_id, **stats})
 
 
 def client_select(msg: Message, context: Context) -> Message:
     """``query`` op ``select``: fill, replace and choose refreshes (see module docstring)."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
+    env, cfg = personal_env(msg, context), _algo_cfg(msg)
     conf = msg.content.config_records[CONFIG_KEY]
-    rnd = int(conf["server-round"])
+    rnd = server_round(msg)
     latest = dict(zip((int(i) for i in conf["pool-ids"]), (int(v) for v in conf["pool-versions"])))
     server_ids, server_vers = [int(i) for i in conf["helper-ids"]], [int(v) for v in conf["helper-versions"]]
     mine = _read_helpers(context)
@@ -270,14 +231,14 @@ def client_select(msg: Message, context: Context) -> Message:
     members, swaps = replace_helpers(members, cands, cfg.replace)
     refresh = refresh_ids(members, latest, cfg.replace) if bool(conf["do-refresh"]) else []
     versions = [latest[m[0]] if m[0] in refresh else m[1] for m in members]
-    return _reply(msg, None, {"swaps": swaps, "partition-id": env.partition_id},
+    return reply(msg, None, {"swaps": swaps, "partition-id": env.partition_id},
                   {"helper-ids": [m[0] for m in members], "helper-versions": versions,
                    "refresh-ids": refresh})
 
 
 def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig) -> Message:
     conf = msg.content.config_records[CONFIG_KEY]
-    rnd, pid = int(conf["server-round"]), env.partition_id
+    rnd, pid = server_round(msg), env.partition_id
     seed = derive_seed(env.task.seed, "umpfssl-train", rnd, pid)
     ids, versions = [int(i) for i in conf["helper-ids"]], [int(v) for v in conf["helper-versions"]]
     if ARRAYS_KEY in msg.content.array_records:
@@ -309,34 +270,20 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
     metrics.update({"num-examples": float(len(env.labeled()) + len(unl)), "train-loss": out["train-loss"],
                     "mu": scorer.mu, "partition-id": pid, "corr-self": corr[0],
                     "self-weight": float(weights[0]), "num-helpers": len(ids) + 1, **extra})
-    return _reply(msg, model_to_record(own), metrics, {"helper-ids": ids, "helper-versions": versions})
-
-
-def _head_keys(model) -> list[str]:
-    prefix = head_prefix(model)
-    return [k for k in model.state_dict() if k.startswith(prefix)]
+    return reply(msg, model_to_record(own), metrics, {"helper-ids": ids, "helper-versions": versions})
 
 
 def client_train(msg: Message, context: Context) -> Message:
-    return _train_umpfssl(msg, context, _env(msg, context), _algo_cfg(msg))
+    return _train_umpfssl(msg, context, personal_env(msg, context), _algo_cfg(msg))
 
 
 def client_evaluate(msg: Message, context: Context) -> Message:
     """``evaluate``: this client's model on its own test split."""
-    env, cfg = _env(msg, context), _algo_cfg(msg)
+    env = personal_env(msg, context)
     model = env.build_model()
-    if cfg.mode == "local":
-        if STATE_MODEL in context.state:
-            load_numpy_state(model, record_to_numpy(context.state.array_records[STATE_MODEL]))
-    elif ARRAYS_KEY in msg.content.array_records:  # (umpfssl: absent only if not in the pool yet)
-        rec = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
-        if cfg.mode == "fedper" and STATE_HEAD in context.state:
-            rec.update(record_to_numpy(context.state.array_records[STATE_HEAD]))
-        load_numpy_state(model, rec, strict=cfg.mode != "fedper")
-    test = env.client_test()
-    res = evaluate(model, test, aug=env.augmenter, device=env.device, num_classes=env.num_classes)
-    return _reply(msg, None, {"accuracy": res["accuracy"], "num-examples": float(len(test)),
-                              "partition-id": env.partition_id})
+    if ARRAYS_KEY in msg.content.array_records:  # absent only if not in the pool yet
+        load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
+    return evaluate_on_own_test(msg, env, model)
 
 
 # =============================================================================== server side
@@ -373,6 +320,14 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         self.pool: dict[int, tuple[int, dict[str, np.ndarray]]] = {}       # pid -> (version, state)
         self.archive: dict[tuple[int, int], dict[str, np.ndarray]] = {}   # older referenced versions
         self.refs: dict[int, list[tuple[int, int]]] = {}                   # pid -> non-self (id, version)
+        self.counts: dict[str, int] = {}                                   # transfers.<reason> this round
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.counts[f"transfers.{reason}"] = self.counts.get(f"transfers.{reason}", 0) + n
+
+    def flush_counts(self) -> dict[str, int]:
+        out, self.counts = dict(self.counts), {}
+        return out
 
     # ---------------------------------------------------------------- pool
     def referenced(self) -> set[tuple[int, int]]:
@@ -515,7 +470,7 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             if vals:
                 out[key] = float(np.nanmean(vals)) if not all(map(math.isnan, vals)) else float("nan")
         out.update(self.flush_counts())
-        out.update(self.maybe_eval(grid, t))
+        out.update(self.maybe_eval(grid, t, cfg.eval_every))
         return out
 
     # ---------------------------------------------------------------- checkpoints
@@ -531,20 +486,19 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
 
 _HANDLERS = {"train": client_train, "evaluate": client_evaluate, "select": client_select,
              "warmup": client_warmup}
-_PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
+PAPER = "Shi, Chen, Zhang: Uncertainty Minimization for Personalized FSSL (UM-pFSSL)"
 
 
 def _spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: tuple[str, ...]) -> AlgorithmSpec:
-    """A spec of this module or of :mod:`strategies.fixmatch_baselines` (one config, ``mode`` fixed)."""
-    return AlgorithmSpec(name=name, paper=_PAPER if mode == "umpfssl" else f"{_PAPER}, baseline",
-                         strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
-                         overrides={"mode": mode}, client=dict(client), description=desc, node_state=node_state,
+    """UM-pFSSL's spec (its baselines' are :func:`strategies.fixmatch_baselines.spec`)."""
+    return AlgorithmSpec(name=name, paper=PAPER, strategy_cls=cls, config_cls=UMPFSSLConfig, namespace=NS,
+                         client=dict(client), description=desc, node_state=node_state,
                          # from the node's labels: its hidden labels (pseudo-label accuracy), its labeled
                          # set's (corr-self, the Corr score of its own model, Eq. of the paper's helper score)
                          label_metrics=("pseudo-label-accuracy", "corr-self"))
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "umpfssl": _spec("umpfssl", UMPFSSLStrategy, "umpfssl",
                      "personalized models; helpers chosen by MC-dropout uncertainty; server = model pool",
                      _HANDLERS, (STATE_HELPERS,)),

@@ -10,17 +10,15 @@ One local step of client k on one mini-batch:
 2. ``w_k <- w_k - eta lambda (w_k - theta)``.
 
 Both act on the trainable parameters; ``theta``'s buffers (BatchNorm statistics) are updated
-by its forward passes.
+by its forward passes. The loss f_k of the baseline ``pfedme-fix`` is FixMatch's
+(:func:`tasks.training.fixmatch_loss`).
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-
-from tasks.losses import masked_pseudo_label_ce
 
 
 def moreau_inner_steps(theta: torch.nn.Module, anchor: Sequence[Tensor], loss_fn: Callable[[], Tensor], *,
@@ -52,22 +50,3 @@ def moreau_outer_step(anchor: Sequence[Tensor], theta: torch.nn.Module, *, lam: 
     for w, p in zip(anchor, params):
         w.sub_(eta * lam * (w - p))
 
-
-def fixmatch_batch_loss(model: torch.nn.Module, x_weak: Tensor | None, y: Tensor | None,
-                        u_weak: Tensor | None, u_strong: Tensor | None, *, tau: float, lambda_u: float
-                        ) -> tuple[Tensor, Tensor | None]:
-    """FixMatch's loss on fixed views (:func:`tasks.training.train_fixmatch`'s step):
-    ``CE(f(x_weak), y) + lambda_u L_u``, ``L_u`` the confident hard pseudo-labels of the same
-    model's softmax on ``u_weak`` (no gradient) against ``f(u_strong)``, over the whole unlabeled
-    batch; a term without data is left out. Returns ``(loss, mask)``."""
-    loss, mask = None, None
-    if x_weak is not None and len(x_weak):
-        loss = F.cross_entropy(model(x_weak), y)
-    if u_weak is not None and len(u_weak):
-        with torch.no_grad():
-            pw = torch.softmax(model(u_weak), dim=1)
-        lu, mask = masked_pseudo_label_ce(model(u_strong), pw, tau)
-        loss = lambda_u * lu if loss is None else loss + lambda_u * lu
-    if loss is None:
-        raise ValueError("fixmatch_batch_loss needs a labeled or an unlabeled batch")
-    return loss, mask

@@ -4,7 +4,7 @@ Every algorithm's client and server code trains through these: the one seeded mi
 cursor (:func:`batch_at`; :func:`batch_indices` iterates it), SGD from the task config
 (:func:`make_sgd`), the supervised and FixMatch local loops and the accuracy/loss/per-class evaluation. ``load_numpy_state`` is
 the one state-dict <- numpy conversion (checked keys, shapes and finiteness); its Flower
-counterparts (``ArrayRecord``) live in :mod:`split_layer.records`.
+counterparts (``ArrayRecord``) live in :mod:`strategies.core.records`.
 """
 from __future__ import annotations
 
@@ -214,6 +214,35 @@ def train_supervised(model: torch.nn.Module, data: ArrayDataset, *, aug: Augment
     return {"train-loss": total / max(seen, 1), "num-examples": float(seen)}
 
 
+def fixmatch_loss(model: torch.nn.Module, x_weak: torch.Tensor | None, y: torch.Tensor | None,
+                  unlabeled_views: tuple[torch.Tensor, torch.Tensor] | Callable[[], tuple[torch.Tensor, torch.Tensor]]
+                  | None, *, tau: float, lambda_u: float
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """FixMatch's loss on one step's batch (Sohn et al. 2020), the one FixMatch step of the library:
+    ``CE(f(x_weak), y) + lambda_u L_u``, ``L_u`` =
+    :func:`tasks.losses.masked_pseudo_label_ce` of ``f(u_strong)`` against the confident hard
+    pseudo-labels of the same model's softmax on ``u_weak`` (no gradient), over the whole unlabeled
+    batch; a term without data is left out. ``unlabeled_views`` is ``(u_weak, u_strong)``, or a
+    function returning them, called after the labeled forward pass (the order of
+    :func:`train_fixmatch`'s augmentation and dropout draws), or ``None``. Returns
+    ``(loss, mask, p_weak)`` (``mask`` and ``p_weak``: ``None`` without unlabeled data)."""
+    from tasks.losses import masked_pseudo_label_ce
+
+    loss = mask = pw = None
+    if x_weak is not None and len(x_weak):
+        loss = F.cross_entropy(model(x_weak), y)
+    views = unlabeled_views() if callable(unlabeled_views) else unlabeled_views
+    if views is not None and len(views[0]):
+        u_weak, u_strong = views
+        with torch.no_grad():
+            pw = torch.softmax(model(u_weak), dim=1)
+        lu, mask = masked_pseudo_label_ce(model(u_strong), pw, tau)
+        loss = lambda_u * lu if loss is None else loss + lambda_u * lu
+    if loss is None:
+        raise ValueError("fixmatch_loss needs a labeled or an unlabeled batch")
+    return loss, mask, pw
+
+
 def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: ArrayDataset, *,
                    aug: Augmenter, steps: int, batch_size: int, unlabeled_batch_size: int,
                    optimizer: torch.optim.Optimizer, device: torch.device, seed: int,
@@ -221,7 +250,7 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
                    regularizer: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
     """``steps`` local FixMatch steps (Sohn et al. 2020), shared by the FixMatch baselines.
 
-    Each step: ``L = CE(f(weak(x_l)), y_l) + lambda_u * L_u (+ regularizer())`` with
+    Each step (:func:`fixmatch_loss`): ``L = CE(f(weak(x_l)), y_l) + lambda_u * L_u (+ regularizer())`` with
     ``L_u = tasks.losses.masked_pseudo_label_ce(f(strong(u)), softmax(f(weak(u))), tau)``
     (hard pseudo-label of the same model's weak view, kept where its confidence is >= tau,
     normalised by the full unlabeled batch). Labeled and unlabeled batches are drawn by
@@ -231,8 +260,6 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
     unlabeled samples seen), ``mask-rate`` and ``pseudo-label-accuracy`` (of the kept
     pseudo-labels, against the hidden labels of ``unlabeled``; NaN if none kept).
     """
-    from tasks.losses import masked_pseudo_label_ce
-
     model.train()
     gen_l = torch.Generator().manual_seed(seed)
     gen_u = torch.Generator().manual_seed(seed + 1)
@@ -244,18 +271,16 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
             il, iu = next(lab, None), next(unl, None)
             if il is None and iu is None:
                 break
-            loss = torch.zeros((), device=device)
+            xw = yb = yu = None
             if il is not None:
                 xb, yb = to_device_batch(labeled, il, device)
-                loss = loss + F.cross_entropy(model(aug.weak(xb)), yb)
+                xw = aug.weak(xb)
                 seen += len(il)
             if iu is not None:
                 xu, yu = to_device_batch(unlabeled, iu, device)
-                xw, xs = aug.weak_strong(xu)
-                with torch.no_grad():
-                    pw = torch.softmax(model(xw), dim=1)
-                lu, mask = masked_pseudo_label_ce(model(xs), pw, tau)
-                loss = loss + lambda_u * lu
+            loss, mask, pw = fixmatch_loss(model, xw, yb, (lambda: aug.weak_strong(xu)) if iu is not None else None,
+                                           tau=tau, lambda_u=lambda_u)
+            if iu is not None:
                 kept += float(mask.sum())
                 correct += float(((pw.argmax(1) == yu).float() * mask).sum())
                 seen_u += len(iu)

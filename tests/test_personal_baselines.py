@@ -72,7 +72,7 @@ def test_fedbn_and_lg_average_uniformly_fedavg_by_nk(algo, uniform):
     FedAvg (a + 3 b) / 4."""
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-    from split_layer.records import numpy_to_record
+    from strategies.core.records import numpy_to_record
     from strategies.registry import get_algorithm
 
     torch.manual_seed(0)
@@ -97,7 +97,7 @@ def test_fedbn_round_two_starts_from_the_nodes_own_bn():
     BN of round 1 (load_personal), not the server's."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from split_layer.records import model_to_record
+    from strategies.core.records import model_to_record
     from strategies.fixmatch_baselines import STATE_BN, batchnorm_keys, load_personal
 
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def test_fedbn_round_two_starts_from_the_nodes_own_bn():
     msg = Message(RecordDict({"arrays": model_to_record(model, shared), "config": ConfigRecord({})}),
                   dst_node_id=1, message_type="train")
     fresh = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
-    load_personal(fresh, msg, ctx, "fixbn")
+    load_personal(fresh, msg, ctx, STATE_BN)
     for k in shared:
         torch.testing.assert_close(fresh.state_dict()[k], model.state_dict()[k])
     assert torch.all(fresh[1].running_mean == 7.0) and torch.all(fresh[1].weight == 3.0)
@@ -132,10 +132,10 @@ def test_fedbn_refuses_a_model_without_batchnorm():
 # ----------------------------------------------------------------------------------- LG-FedAvg
 def test_lg_fedavg_uploads_only_the_head_and_keeps_the_body():
     from strategies.fixmatch_baselines import STATE_BODY
-    from strategies.umpfssl import _head_keys
+    from strategies.fixmatch_baselines import head_keys
 
     s, grid, init, replies = _round("lg-fedavg-fix")
-    head = set(_head_keys(s.model))
+    head = set(head_keys(s.model))
     body = set(s.model.state_dict()) - head
     assert head == {"stages.head.0.weight", "stages.head.0.bias"}
     ups = [_np(r.content.array_records["arrays"]) for _, r in replies]
@@ -197,7 +197,7 @@ def test_pfedme_with_lambda_large_theta_stays_at_w_and_server_beta_mixes():
 
     net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     xs = np.zeros((6, 1, 2, 2), np.uint8)
-    s = PFedMeStrategy(model=net, test_data=(xs, np.arange(6) % 3), pfedme_beta=0.5)
+    s = PFedMeStrategy(model=net, test_data=(xs, np.arange(6) % 3), beta=0.5)
     cur = {k: v.detach().cpu().numpy().copy() for k, v in s.model.state_dict().items()}
     mean = {k: np.ones_like(v) for k, v in cur.items()}
     s.load_aggregate(mean)

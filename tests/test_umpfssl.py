@@ -12,13 +12,13 @@ import torch
 from flwr.supercore.task_identity import TaskIdentity
 
 from flower_apps.client_app import dispatch
-from split_layer.rounds import RoundPolicy
-from split_layer.transport import LocalGrid
+from strategies.core.round_policy import RoundPolicy
 from strategies.registry import get_algorithm
 from strategies.umpfssl import UMPFSSLConfig
 from tasks.config import ConfigError, TaskConfig
 from tasks.helper_selection import cost2, refresh_ids, replace_helpers
 from tasks.mc_dropout import CORR_FLOOR, mc_dropout_predict, normalized_entropy, relation_score, select_pseudo_labels
+from tests.faulty_grid import RecordingGrid
 
 LOG10 = math.log(10)
 
@@ -112,8 +112,11 @@ def test_config_errors_name_the_key():
     from tests.test_config import pyproject_config
     with pytest.raises(ConfigError, match="umpfssl.update-period=0 is out of range"):
         parse_run_config({**pyproject_config(), "algo": "umpfssl", "umpfssl.update-period": 0})
-    with pytest.raises(ConfigError, match="umpfssl.mode='x' is not one of"):
+    # the baselines are classes, not modes of UM-pFSSL's config; their knobs are their own
+    with pytest.raises(ConfigError, match="unknown run-config key 'umpfssl.mode'"):
         parse_run_config({**pyproject_config(), "umpfssl.mode": "x"})
+    with pytest.raises(ConfigError, match="fixmatch.tau=2.0 is out of range"):
+        parse_run_config({**pyproject_config(), "algo": "fixavg", "fixmatch.tau": 2.0})
 
 
 # ------------------------------------------------------------------------------ fake grid runs
@@ -140,7 +143,7 @@ def run_fake(algo, task, num_nodes, rounds, fraction=1.0, **cfg_over):
     cfg = spec.parse_config({f"umpfssl.{k.replace('_', '-')}": v for k, v in cfg_over.items()})
     strat = spec.strategy_cls(task, cfg, algo, RoundPolicy(fraction_train=fraction, min_nodes=1,
                                                            round_timeout=60))
-    grid = LocalGrid(num_nodes, dispatch, first_node_id=101)
+    grid = RecordingGrid(num_nodes, dispatch, first_node_id=101)
     rows = []
     strat.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     return strat, grid, rows
@@ -232,8 +235,8 @@ def test_baselines_run_and_evaluate_per_client(algo):
     elif algo == "fedper-fix":
         heads = [c.state.array_records["umpfssl.head"] for c in grid.contexts.values()]
         assert all(set(h.keys()) == {"stages.head.0.weight", "stages.head.0.bias"} for h in heads)
-        from split_layer.records import model_to_record
-        from split_layer.rounds import array_bytes
+        from strategies.core.records import model_to_record
+        from strategies.core.byte_meter import array_bytes
         body = [k for k in strat.model.state_dict() if not k.startswith("stages.head.")]
         assert r["bytes.weights.up"] == 3 * array_bytes(model_to_record(strat.model, body))  # head stays
     else:
