@@ -280,7 +280,7 @@ def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path
     from flower_apps.server_app import run
     from split_layer.transport import LocalGrid
 
-    return run(LocalGrid(supernodes, dispatch, run_config=cfg, keep_sent=False), cfg, explicit=explicit)
+    return run(LocalGrid(supernodes, dispatch, run_config=cfg), cfg, explicit=explicit)
 
 
 def run_paper(name: str | Paper, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",

@@ -105,7 +105,6 @@ from .stream_frames import (
 )
 from .stream_options import SESSION_MODES, TLS_MODES, StreamOptions
 from .stream_security import NODE_HEADER, TLS_NAME, TOKEN_HEADER, ephemeral_certificate
-from .stream_server import _Server
 from .stream_transport import SESSION_MAX_S, StreamTransport
 from .transport import TRANSPORTS
 
@@ -113,4 +112,4 @@ __all__ = ["StreamOptions", "StreamTransport", "StreamClient", "StreamError", "S
            "encode", "decode", "simulation_concurrency", "concurrency_error", "max_frame_bytes", "pack_arrays",
            "unpack_arrays", "config_to_json", "config_from_json", "metrics_from_json",
            "ephemeral_certificate", "TRANSPORTS", "TLS_MODES", "SESSION_MODES", "STREAM_KEYS", "METHOD", "MAGIC",
-           "NODE_HEADER", "TOKEN_HEADER", "TLS_NAME", "FRAME_MARGIN", "DEFAULT_MAX_FRAME", "SESSION_MAX_S", "_Server"]
+           "NODE_HEADER", "TOKEN_HEADER", "TLS_NAME", "FRAME_MARGIN", "DEFAULT_MAX_FRAME", "SESSION_MAX_S"]

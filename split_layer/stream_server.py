@@ -41,7 +41,7 @@ from .stream_guard import (FD_RESERVE, FD_SHARE, MIN_CAP, UNAUTH_TOTAL, Connecti
 from .stream_options import StreamOptions
 from .stream_security import NODE_HEADER, TOKEN_HEADER, ephemeral_certificate
 
-__all__ = ["_Server"]
+__all__: list[str] = []   # the server is the stream transport's own (split_layer.stream_transport)
 
 FIRST_FRAME_S = 60.0              # the first frame's deadline after the call starts (at most the timeout),
 FIRST_FRAME_RATE = 128 * 1024     # ... plus the time to send the largest frame at 1 Mbit/s

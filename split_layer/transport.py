@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, Metadata, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from .records import CONFIG_KEY, METRICS_KEY, numpy_to_record, query, record_to_numpy
+from strategies.core.records import CONFIG_KEY, METRICS_KEY, numpy_to_record, query, record_to_numpy
 
 __all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_from_message", "reply",
            "TENSORS_KEY", "ARRAYS_PREFIX", "SPLITCONFIG_KEY", "TRANSPORTS",
@@ -40,7 +40,7 @@ __all__ = ["Envelope", "Transport", "FlowerTransport", "LocalGrid", "envelope_fr
 # the transports a split algorithm's exchanges can take (run-config key ``split-transport``):
 # Flower messages (FlowerTransport) or the gRPC stream (split_layer.stream.StreamTransport)
 TRANSPORTS = ("message", "stream")
-# what the key accepts: a transport, or "auto" (SplitRuntime.chosen_transport picks one per run)
+# what the key accepts: a transport, or "auto" (split_layer.transport_choice.TransportChoice picks one per run)
 TRANSPORT_CHOICES = (*TRANSPORTS, "auto")
 
 TENSORS_KEY = "split-tensors"
@@ -116,7 +116,7 @@ def reply(msg: Message, env: Envelope) -> Message:
 class FlowerTransport(Transport):
     """Flower messages through ``strategy.exchange`` (seeded, fault-tolerant push/poll)."""
 
-    def __init__(self, strategy, grid) -> None:  # strategy: a split_layer.rounds.RoundHost
+    def __init__(self, strategy, grid) -> None:  # strategy: a split_layer.host.RoundHost
         self.strategy, self.grid = strategy, grid
 
     def exchange(self, server_round: int, op: str, out: dict[int, Envelope]) -> dict[int, Envelope]:
@@ -131,31 +131,35 @@ class FlowerTransport(Transport):
 class LocalGrid:
     """A minimal in-process stand-in for Flower's ``Grid`` (in-process runs, tests, benchmarks).
 
-    ``push_messages`` runs ``handler(msg, context)`` at once for each message with that
-    node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
-    like the simulation engine). An exception in a handler becomes an error reply
-    (:meth:`error_reply`), worded as a Flower SuperNode words it.
-    ``sent`` keeps every pushed message (to inspect what the server sent; ``keep_sent=False``:
-    none, so a long in-process run holds no message after its reply was pulled). ``node_ids``: the
-    nodes' ids in partition order (default ``first_node_id + i``; random ids, as in Flower's
-    simulation, test that nothing depends on their order). ``node_config``: extra node-config
-    entries of every node (e.g. ``state-dir``).
+    ``push_messages`` gives each message an id and runs ``handler(msg, context)`` on it at once,
+    with that node's persistent :class:`Context` (``node_config`` = partition-id/num-partitions,
+    like the simulation engine). The handler sees the message as a SuperNode delivers it: the
+    same content and metadata, with the message id the push returned (a new ``Message`` built
+    with Flower's public ``Metadata``; the pushed message is not changed), so a reply built with
+    ``Message(content, reply_to=msg)`` names it. An exception in a handler becomes an error reply
+    (:meth:`error_reply`), worded as a Flower SuperNode words it. The grid holds only what is
+    pending: the replies not yet pulled (and, threaded, the handler threads still running).
+    ``node_ids``: the nodes' ids in partition order (default ``first_node_id + i``; random ids,
+    as in Flower's simulation, test that nothing depends on their order). ``node_config``: extra
+    node-config entries of every node (e.g. ``state-dir``).
     ``threaded=True`` runs each message's handler in its own thread (the stream transport
     needs every sampled node active at once, as Flower's runtimes provide).
     """
 
+    #: its nodes run in this process: a simulation (:func:`strategies.core.simulation.simulated`)
+    in_process = True
+
     def __init__(self, num_nodes: int, handler: Callable[[Message, Context], Message],
                  run_config: dict | None = None, first_node_id: int = 1001, threaded: bool = False,
-                 node_ids: list[int] | None = None, node_config: dict | None = None,
-                 keep_sent: bool = True) -> None:
-        from flwr.app import RecordDict as _RD
+                 node_ids: list[int] | None = None, node_config: dict | None = None) -> None:
         from flwr.supercore.task_identity import TaskIdentity
 
-        for attr, val in (("run_id", 1), ("node_id", 1), ("task_id", 1)):
+        # the identity a ServerApp's process has (Message() reads it), set as Flower's runtime sets it
+        for attr in ("run_id", "node_id", "task_id"):
             try:
                 getattr(TaskIdentity, attr)
             except RuntimeError:
-                setattr(TaskIdentity, attr, val)
+                setattr(TaskIdentity, attr, 1)
         self.handler = handler
         ids = list(node_ids) if node_ids is not None else [first_node_id + i for i in range(num_nodes)]
         if len(ids) != num_nodes or len(set(ids)) != num_nodes:
@@ -164,12 +168,9 @@ class LocalGrid:
         self.contexts = {
             nid: Context(run_id=1, node_id=nid,
                          node_config={**(node_config or {}), "partition-id": i, "num-partitions": num_nodes},
-                         state=_RD(), run_config=dict(run_config or {}))
+                         state=RecordDict(), run_config=dict(run_config or {}))
             for i, nid in enumerate(ids)}
-        self.sent: list[Message] = []
-        self.keep_sent = keep_sent
         self._replies: dict[str, Message] = {}
-        self.pushed = 0
         self.threaded = threaded
         self._threads: list[threading.Thread] = []
 
@@ -178,21 +179,30 @@ class LocalGrid:
 
     def push_messages(self, messages) -> list[str]:
         ids = []
+        if self.threaded:
+            self._threads = [t for t in self._threads if t.is_alive()]
         for m in messages:
             mid = str(uuid.uuid4())
-            m.metadata.__dict__["_message_id"] = mid
             ids.append(mid)
-            self.pushed += 1
-            if self.keep_sent:
-                self.sent.append(m)
+            delivered = self.delivered(m, mid)
             node = m.metadata.dst_node_id
             if self.threaded:
-                t = threading.Thread(target=self._handle, args=(mid, m, node), daemon=True)
+                t = threading.Thread(target=self._handle, args=(mid, delivered, node), daemon=True)
                 self._threads.append(t)
                 t.start()
             else:
-                self._handle(mid, m, node)
+                self._handle(mid, delivered, node)
         return ids
+
+    @staticmethod
+    def delivered(msg: Message, message_id: str) -> Message:
+        """``msg`` as its node receives it: the same content and metadata, with ``message_id``."""
+        md = msg.metadata
+        return Message(metadata=Metadata(
+            run_id=md.run_id, message_id=message_id, src_node_id=md.src_node_id, dst_node_id=md.dst_node_id,
+            reply_to_message_id=md.reply_to_message_id, group_id=md.group_id, created_at=md.created_at,
+            ttl=md.ttl, message_type=md.message_type, src_task_id=md.src_task_id, dst_task_id=md.dst_task_id),
+            content=msg.content)
 
     def _handle(self, mid: str, m: Message, node: int) -> None:
         try:
@@ -211,10 +221,11 @@ class LocalGrid:
         """Wait for the handler threads (threaded mode)."""
         for t in self._threads:
             t.join(timeout)
+        self._threads = [t for t in self._threads if t.is_alive()]
 
     def pull_messages(self, message_ids) -> list[Message]:
-        out = [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
-        return out
+        """The replies that arrived among ``message_ids``; each is handed out once."""
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         ids = self.push_messages(messages)

@@ -1,12 +1,14 @@
-"""Test-only faults for the in-process grid (:class:`split_layer.transport.LocalGrid`).
+"""Test-only additions to the in-process grid (:class:`split_layer.transport.LocalGrid`).
 
-The public ``LocalGrid`` runs handlers and words their exceptions as a Flower SuperNode does.
-What only tests need lives here:
+The public ``LocalGrid`` runs handlers, words their exceptions as a Flower SuperNode does and
+holds only the replies not yet pulled. What only tests need lives here:
 
+* :class:`RecordingGrid` -- a ``LocalGrid`` that keeps every message pushed (``sent``) and
+  counts them (``pushed``), to inspect what the server sent;
 * :func:`inject_failures` -- make chosen messages' handlers raise (a node that crashed), and
   word the error replies as Flower's simulation engine does (:func:`simulation_error_reply`),
   the wording the drop warning must see through to name the real exception;
-* :class:`FaultyGrid` -- a ``LocalGrid`` built with those faults, plus ``fail_nodes``: nodes
+* :class:`FaultyGrid` -- a ``RecordingGrid`` built with those faults, plus ``fail_nodes``: nodes
   that never answer (to test timeouts).
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from flwr.app import Context, Error, Message
 
 from split_layer.transport import LocalGrid
 
-__all__ = ["FaultyGrid", "inject_failures", "simulation_error_reply", "INJECTED"]
+__all__ = ["RecordingGrid", "FaultyGrid", "inject_failures", "simulation_error_reply", "INJECTED"]
 
 INJECTED = "injected failure"
 
@@ -52,8 +54,24 @@ def inject_failures(grid: LocalGrid, fail_if: Callable[[Message, Context], bool]
     return grid
 
 
-class FaultyGrid(LocalGrid):
-    """A :class:`LocalGrid` with test-only faults: ``fail_if`` (see :func:`inject_failures`;
+class RecordingGrid(LocalGrid):
+    """A :class:`LocalGrid` that keeps every pushed message, as pushed (``sent``), and their
+    count (``pushed``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[Message] = []
+        self.pushed = 0
+
+    def push_messages(self, messages) -> list[str]:
+        messages = list(messages)
+        self.sent.extend(messages)
+        self.pushed += len(messages)
+        return super().push_messages(messages)
+
+
+class FaultyGrid(RecordingGrid):
+    """A :class:`RecordingGrid` with test-only faults: ``fail_if`` (see :func:`inject_failures`;
     errors worded as in Flower's simulation engine) and ``fail_nodes``, nodes whose messages
     are never answered (to test timeouts)."""
 

@@ -37,11 +37,10 @@ from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.records import numpy_to_record
 from split_layer.rounds import RoundPolicy
-from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_names
 from tasks import env as task_env
 from tasks.training import evaluate, load_numpy_state
-from tests.faulty_grid import inject_failures
+from tests.faulty_grid import RecordingGrid, inject_failures
 
 ALGOS = algorithm_names()
 NODES = 4
@@ -69,7 +68,7 @@ def config(algo: str, **over) -> dict:
 def build(algo: str, *, fraction: float = 1.0, nodes: int = NODES, grid_kw=None, system: str = "none", **over):
     cfg = config(algo, **over)
     p = parse_run_config(cfg)
-    grid = LocalGrid(nodes, dispatch, run_config=cfg, **(grid_kw or {}))
+    grid = RecordingGrid(nodes, dispatch, run_config=cfg, **(grid_kw or {}))
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name,
                             RoundPolicy(fraction_train=fraction, min_nodes=2, round_timeout=60, system=system))
     return s, grid

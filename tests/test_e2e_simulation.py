@@ -37,12 +37,13 @@ def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids
     from flower_apps.simulate import fused_run_config
     from split_layer.rounds import RoundPolicy
     from split_layer.transport import LocalGrid
+    from tests.faulty_grid import RecordingGrid
 
     p = parse_run_config({**fused_run_config(None), "algo": "fedavg"})
     picked = []
     for seed in (1, 2):
         ids = random.Random(seed).sample(range(1, 1 << 60), 10)   # random ids, partition i -> ids[i]
-        grid = LocalGrid(10, dispatch, node_ids=ids)
+        grid = RecordingGrid(10, dispatch, node_ids=ids)
         s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(fraction_train=0.3, min_nodes=2))
         parts = []
         for rnd in (1, 2, 3):

@@ -1,5 +1,8 @@
-"""The in-process grid (split_layer.transport.LocalGrid) and its test-only faults (tests/faulty_grid.py)."""
+"""The in-process grid (split_layer.transport.LocalGrid) and its test-only additions (tests/faulty_grid.py)."""
 from __future__ import annotations
+
+import gc
+import weakref
 
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
@@ -7,7 +10,7 @@ from flwr.common.constant import ErrorCode
 from split_layer.records import query
 from split_layer.rounds import describe_error
 from split_layer.transport import LocalGrid
-from tests.faulty_grid import INJECTED, FaultyGrid, inject_failures
+from tests.faulty_grid import INJECTED, FaultyGrid, RecordingGrid, inject_failures
 
 
 def handler(msg: Message, context) -> Message:
@@ -56,3 +59,32 @@ def test_faulty_grid_nodes_that_never_answer():
     out = ask(grid, 1)
     assert sorted(out) == [1001, 1003] and not any(r.has_error() for r in out.values())
     assert len(grid.sent) == 3
+
+
+def test_the_grid_holds_only_what_is_pending_and_leaves_pushed_messages_as_they_were():
+    """A pushed message is neither kept nor changed (its handler gets a delivered copy with the
+    id the push returned, built with Flower's public Metadata); a reply, once pulled, is gone."""
+    for threaded in (False, True):
+        grid = LocalGrid(2, handler, threaded=threaded)
+        msgs = [query(RecordDict({"config": ConfigRecord({"x": 1})}), n, "echo", "1") for n in grid.get_node_ids()]
+        refs = [weakref.ref(x) for m in msgs for x in (m, m.content)]   # nor its delivered copy (same content)
+        ids = grid.push_messages(msgs)
+        grid.join()
+        assert all(m.metadata.message_id == "" for m in msgs)        # not written by the grid
+        del msgs
+        gc.collect()
+        assert all(r() is None for r in refs)                        # not kept by the grid
+        assert not any(isinstance(v, Message) for v in vars(grid).values() if not isinstance(v, dict))
+        got = grid.pull_messages(ids)
+        assert sorted(r.metadata.reply_to_message_id for r in got) == sorted(ids)
+        assert [r.metadata.src_node_id for r in sorted(got, key=lambda r: ids.index(r.metadata.reply_to_message_id))] \
+            == grid.get_node_ids()
+        assert grid.pull_messages(ids) == [] and grid._replies == {}  # handed out once, then let go
+        assert grid._threads == []                                   # finished handler threads let go
+
+
+def test_the_recording_grid_keeps_what_was_sent():
+    grid = RecordingGrid(3, handler)
+    ask(grid, 1)
+    ask(grid, 2)
+    assert grid.pushed == 6 and [int(m.content.config_records["config"]["x"]) for m in grid.sent] == [1] * 3 + [2] * 3

@@ -22,6 +22,7 @@ from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_for
 from tasks.config import ConfigError
 from tasks.models import StagedModel, as_staged, build_model
+from tests.faulty_grid import RecordingGrid
 
 I = 2
 
@@ -30,7 +31,7 @@ def _split_run(fraction: float, node_ids: list[int], rounds: int = 2, transport:
     cfg = {**fused_run_config(None), "algo": "scala", "model": "mlp", "scala.local-iterations": I,
            "scala.total-batch": 16, "batch-size": 8, "seed": 4}
     p = parse_run_config(cfg)
-    grid = LocalGrid(len(node_ids), dispatch, node_ids=node_ids, threaded=transport == "stream")
+    grid = RecordingGrid(len(node_ids), dispatch, node_ids=node_ids, threaded=transport == "stream")
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
         fraction_train=fraction, min_nodes=2, round_timeout=60, split_transport=transport))
     rows = []

@@ -269,10 +269,10 @@ class _Visits(ScalaStrategy):
 def _v2_run(extra: str = "", transport: str = "message", min_nodes: int = 2, rounds: int = V2_ROUNDS,
             strategy_cls=None, handler=None):
     from flower_apps.client_app import dispatch
-    from split_layer.transport import LocalGrid
+    from tests.faulty_grid import RecordingGrid
 
     p = _v2_parsed(extra)
-    grid = LocalGrid(V2_K, handler or dispatch, threaded=transport == "stream")   # the stream needs threads
+    grid = RecordingGrid(V2_K, handler or dispatch, threaded=transport == "stream")   # the stream needs threads
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
         min_nodes=min_nodes, round_timeout=30, split_transport=transport))
     rows = []

@@ -14,7 +14,7 @@ from flower_apps.simulate import fused_run_config
 from split_layer.cut import bottom_state
 from split_layer.rounds import RoundPolicy
 from strategies.base import SplitStrategy
-from split_layer.transport import TENSORS_KEY, LocalGrid
+from split_layer.transport import TENSORS_KEY
 from split_layer.validation import (
     SplitValidationError,
     TensorSpec,
@@ -22,6 +22,7 @@ from split_layer.validation import (
     check_tensor,
 )
 from tasks.training import batch_at, batch_indices, seeded_perms
+from tests.faulty_grid import RecordingGrid
 from tests.split_faults import fail_at
 from strategies.scala import ScalaStrategy
 
@@ -36,7 +37,7 @@ def _parsed(extra="", algo="scala"):
 def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, algo="scala", transport="message",
          fraction=1.0):
     p = _parsed(extra, algo)
-    grid = LocalGrid(3, handler, threaded=transport == "stream")   # the stream needs every node at once
+    grid = RecordingGrid(3, handler, threaded=transport == "stream")   # the stream needs every node at once
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
         min_nodes=min_nodes, round_timeout=30, split_transport=transport, fraction_train=fraction))
     rows = []

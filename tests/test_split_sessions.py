@@ -35,17 +35,18 @@ from split_layer.stream import (
     StreamClient,
     StreamError,
     StreamOptions,
-    _Server,
     encode,
 )
+from split_layer.stream_server import _Server
 from split_layer.transport import LocalGrid
+from tests.faulty_grid import RecordingGrid
 
 K = 3
 BASE = ("algo='scala' model='cnn' norm='bn' dropout=0.5 partition='quantity' partition-classes-per-client=4 "
         "seed=3 scala.local-iterations=3 scala.total-batch=40 lr=0.05 momentum=0.9 min-nodes=2")
 
 
-def split_messages(grid: LocalGrid) -> dict[int, int]:
+def split_messages(grid: RecordingGrid) -> dict[int, int]:
     """Flower messages of op ``split`` per node (each one starts a session, or a message-path step)."""
     out: dict[int, int] = {}
     for m in grid.sent:
@@ -55,9 +56,9 @@ def split_messages(grid: LocalGrid) -> dict[int, int]:
 
 
 def run(rounds: int = 3, transport: str = "stream", session: str = "run", extra: str = "", nodes: int = K,
-        grid: LocalGrid | None = None, on_round_end=None):
+        grid: RecordingGrid | None = None, on_round_end=None):
     p = parse_run_config(fused_run_config([f"{BASE} {extra}"]))
-    grid = grid or LocalGrid(nodes, dispatch, threaded=transport == "stream")
+    grid = grid or RecordingGrid(nodes, dispatch, threaded=transport == "stream")
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
         fraction_train=p.app.fraction_train, min_nodes=2, round_timeout=30, split_transport=transport,
         stream=StreamOptions(session=session, timeout=30)))
@@ -132,8 +133,8 @@ def test_a_node_that_crashes_mid_round_is_dropped_once_and_rejoins_with_a_new_se
     assert per_node[lost] == 2 and all(v == 1 for n, v in per_node.items() if n != lost), per_node
 
 
-class LateGrid(LocalGrid):
-    """A LocalGrid whose last node connects only after round 1."""
+class LateGrid(RecordingGrid):
+    """A RecordingGrid whose last node connects only after round 1."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

@@ -29,7 +29,7 @@ from split_layer.stream import (
     simulation_concurrency,
 )
 from split_layer.transport import Envelope, LocalGrid
-from tests.faulty_grid import FaultyGrid
+from tests.faulty_grid import FaultyGrid, RecordingGrid
 from tasks.config import ConfigError
 
 K = 3
@@ -162,7 +162,7 @@ def test_tls_round_works_and_a_client_without_the_certificate_cannot_connect():
     owner, seen = run_round(echo_handler(), opts=StreamOptions(timeout=10.0, tls="on", session="round"))
     assert owner.dropped == [] and len(seen[-1]) == K
 
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     srv = _Server(StreamOptions(tls="on"), [1])
     try:
         with pytest.raises(StreamError, match="cannot connect"):
@@ -193,7 +193,7 @@ def test_a_silent_node_is_dropped_after_the_timeout():
 
 
 def test_wrong_token_is_refused_by_the_server():
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     srv = _Server(StreamOptions(), [7])
     try:
         c = StreamClient(srv.address, "0" * 64, 7, timeout=5.0)
@@ -214,7 +214,7 @@ def test_wrong_token_is_refused_by_the_server():
 def test_too_few_concurrent_clientapps_in_simulation_fail_with_the_setting_to_change():
     for actors, threads, want in ((2, 6, "init-args-num-cpus=3 client-resources-num-cpus=1"),
                                   (8, 2, "sample at most 2 nodes per round")):
-        grid = LocalGrid(K, echo_handler(), threaded=True)
+        grid = RecordingGrid(K, echo_handler(), threaded=True)
         tr = StreamTransport(Owner(actors, threads), grid, StreamOptions(timeout=5.0))
         with pytest.raises(StreamConfigError) as e:
             tr.exchange(1, "split", {n: Envelope(config={"split-step": 1, "split-iters": 2})
@@ -322,7 +322,7 @@ def test_a_plaintext_listener_on_every_interface_needs_the_users_explicit_key_an
     import logging
 
     from split_layer import stream_transport
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     with pytest.raises(ConfigError, match=r"split-stream-host='0.0.0.0' \(a listener on every interface\).*"
                                           "split-stream-allow-plaintext=true"):
         StreamOptions(host="0.0.0.0", advertise="127.0.0.1", tls="off")
@@ -382,7 +382,7 @@ def test_plaintext_towards_a_remote_address_is_warned_about_every_run(caplog):
 def test_every_round_has_its_own_certificate_valid_for_the_round():
     from cryptography import x509
 
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     certs = []
     for _ in range(2):
         srv = _Server(StreamOptions(tls="on", timeout=100.0), [1], lifetime=100.0 * 12)
@@ -407,7 +407,7 @@ def test_the_frame_bound_comes_from_the_stream_specs():
 
 
 def test_an_authenticated_call_without_a_first_frame_is_cut_at_the_deadline():
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     srv = _Server(StreamOptions(timeout=1.0), [5])   # first-frame deadline = min(timeout, 60 s)
     try:
         c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=5.0)
@@ -422,7 +422,7 @@ def test_an_authenticated_call_without_a_first_frame_is_cut_at_the_deadline():
 
 
 def test_the_client_waits_at_most_its_timeout_for_each_frame():
-    from split_layer.stream import _Server
+    from split_layer.stream_server import _Server
     srv = _Server(StreamOptions(timeout=30.0), [5])   # authenticates, then never answers
     try:
         c = StreamClient(srv.address, srv.sessions[5].token, 5, timeout=1.0)

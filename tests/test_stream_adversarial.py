@@ -307,7 +307,8 @@ def test_garbage_on_the_raw_socket_is_dropped_by_the_server_and_the_round_comple
 # --------------------------------------------------------------------------- memory: oversized frames
 SERVER = textwrap.dedent("""
     import json, sys
-    from split_layer.stream import StreamOptions, _Server, max_frame_bytes
+    from split_layer.stream import StreamOptions, max_frame_bytes
+    from split_layer.stream_server import _Server
     from split_layer.validation import TensorSpec
     specs = {"act": TensorSpec((64, 32, 8, 8), "float32")}   # 0.5 MB of activations per frame
     srv = _Server(StreamOptions(timeout=30.0), [1], max_frame=max_frame_bytes(specs))

@@ -39,7 +39,8 @@ import pytest
 
 from flower_apps.simulate import fused_run_config
 from split_layer import stream_guard
-from split_layer.stream import METHOD, NODE_HEADER, TOKEN_HEADER, StreamConfigError, StreamOptions, _Server
+from split_layer.stream import METHOD, NODE_HEADER, TOKEN_HEADER, StreamConfigError, StreamOptions
+from split_layer.stream_server import _Server
 from split_layer.stream_guard import (ALL, BAN_S, FLOOD_CALLS, GLOBAL_FLOOD_CALLS, LOG_PER_REASON, MAX_CALLERS,
                                       REASONS, FloodBans, RefusalLog, TopCallers)
 from tests.flower_harness import free_port
@@ -92,7 +93,8 @@ RUN_UNDER_LIMIT = """
 import json, logging, re, sys
 from flower_apps import server_app
 from flower_apps.client_app import dispatch
-from split_layer.stream import StreamOptions, _Server
+from split_layer.stream import StreamOptions
+from split_layer.stream_server import _Server
 from split_layer.transport import LocalGrid
 from tests.flower_harness import free_port
 cfg = json.loads(sys.argv[1])
@@ -172,7 +174,8 @@ def test_genuine_nodes_finish_their_rounds_while_an_attacker_holds_twice_the_cap
 
 PEAK_OF_DESCRIPTORS = """
 import json, os, resource, sys, threading, time
-from split_layer.stream import StreamOptions, _Server
+from split_layer.stream import StreamOptions
+from split_layer.stream_server import _Server
 srv = _Server(StreamOptions(), [], expected=3)
 limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 start = len(os.listdir("/proc/self/fd"))
