@@ -348,6 +348,3 @@ class EASGDClient(AlgorithmClient):
 
     module = __name__
     needs = ("labeled",)
-
-
-OverlapSGDClient = EASGDClient   # (one client serves both algorithms of this module)

@@ -102,6 +102,3 @@ class FedProxClient(AlgorithmClient):
 
     module = __name__
     needs = ("labeled",)
-
-
-FedLCClient = FedProxClient   # (one client serves both algorithms of this module)

@@ -597,8 +597,3 @@ class ScalaClient(AlgorithmClient):
 
     module = __name__
     needs = ('labeled',)
-
-
-SFLLocalLossClient = ScalaClient   # (one client serves every algorithm of this module)
-CSSFLClient = ScalaClient
-MinibatchSFLClient = ScalaClient

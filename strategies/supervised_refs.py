@@ -93,6 +93,3 @@ class FedAvgSLClient(AlgorithmClient):
 
     module = __name__
     needs = ("labeled", "test")
-
-
-FedProxSLClient = FedBNSLClient = FedAvgSLClient   # (one client serves the three rows)

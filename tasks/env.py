@@ -218,31 +218,56 @@ def _staged(model: Any, cut: str | None) -> nn.Module:
         raise ConfigError(f"model: {e}") from None
 
 
-def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data: NodeData, *,
-             num_classes: int | None = None, augmenter: Augmenter | None = None, flip: bool = False,
-             partition_id: int = -1, num_partitions: int = 0, staged: bool = False) -> Env:
-    """An Env over a user's own model and data.
-
-    ``model``: a module (every :meth:`Env.build_model` returns a deep copy of it, with its
-    weights) or a zero-argument factory. ``num_classes``: default is the largest label
-    seen + 1. ``augmenter``: default ``Augmenter(C, H, flip=flip)`` for the data's
-    ``[C, H, H]`` images (FixMatch's weak and strong views). ``staged``: a split algorithm's
-    Env, whose models are :class:`tasks.models.StagedModel` (:func:`tasks.models.as_staged`
-    with ``task.cut``: a ``(bottom, top)`` pair, or an ``nn.Sequential`` cut after a child).
-    """
-    cut = task.cut or None
+def check_user_model(model: Any, *, staged: bool, cut: str | None = None, cut_known: bool = True) -> None:
+    """Refuse a ``model`` argument the algorithm cannot train, naming what is allowed
+    (:class:`tasks.config.ConfigError`): a ``torch.nn.Module`` or a function returning one; for
+    a split algorithm (``staged``) a :class:`tasks.models.StagedModel`, a ``(bottom, top)`` pair or
+    an ``nn.Sequential`` cut after the child ``cut`` (``cut_known=False``: the cut is the server's,
+    not known yet). A function is checked when it is called (:func:`user_env`)."""
     if staged and isinstance(model, (tuple, list)):
-        model = _staged(model, cut)
-    if isinstance(model, nn.Module):
-        proto = model
-        model_fn: Callable[[], nn.Module] = lambda: copy.deepcopy(proto)  # noqa: E731
-    elif callable(model):
-        model_fn = model
-    else:
+        _staged(model, cut)
+    elif isinstance(model, nn.Module):
+        if staged and (cut_known or not isinstance(model, nn.Sequential)):
+            _staged(model, cut)
+    elif not callable(model):
         raise ConfigError(f"model must be a torch.nn.Module or a function returning one, got {type(model).__name__}")
-    if staged:
-        base_fn = model_fn
-        model_fn = lambda: _staged(base_fn(), cut)  # noqa: E731
+
+
+def model_outputs(model: Any) -> int | None:
+    """The number of outputs of a user's model (a module or a ``(bottom, top)`` pair): its last
+    ``nn.Linear``'s ``out_features`` (the classifier, :func:`tasks.models.classifier_prefix`);
+    ``None`` for a function or a model without one."""
+    parts = model if isinstance(model, (tuple, list)) else (model,)
+    linears = [m for p in parts if isinstance(p, nn.Module) for m in p.modules() if isinstance(m, nn.Linear)]
+    return int(linears[-1].out_features) if linears else None
+
+
+def user_num_classes(model: Any, data: NodeData, num_classes: int | None = None) -> int:
+    """The number of classes of a user's model and data: ``num_classes``, else the model's
+    outputs (:func:`model_outputs`), else the largest label + 1. A label outside the model's
+    classes (``0 .. M-1``, M the fewer of ``num_classes`` and the model's outputs) is refused
+    with what was found (:class:`tasks.config.ConfigError`), not left to fail in training."""
+    ys = {name: d.y for name, d in (("labeled", data.labeled), ("test", data.test)) if d is not None and len(d)}
+    outputs = model_outputs(model)
+    if num_classes is None:
+        if outputs is None and not ys:
+            raise ConfigError("num_classes is needed when no labeled or test data is given (num_classes=...)")
+        num_classes = outputs if outputs is not None else max(int(y.max()) for y in ys.values()) + 1
+    classes = num_classes if outputs is None else min(num_classes, outputs)
+    said = (f"the model has {outputs} outputs" if outputs is not None else "") + \
+        (f"{' and ' if outputs is not None else ''}num_classes={num_classes}" if outputs != num_classes else "")
+    for name, y in ys.items():
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= classes:
+            raise ConfigError(f"{name} set's labels: found {lo} .. {hi} ({len(np.unique(y))} distinct values); {said}, so "
+                              f"labels must be 0 .. {classes - 1} (map them to 0 .. C-1, C the number of classes)")
+    return int(num_classes)
+
+
+def user_augmenter(data: NodeData, augmenter: Augmenter | None = None, flip: bool = False,
+                   task: TaskConfig | None = None) -> Augmenter | None:
+    """``augmenter``, else ``Augmenter(C, H, flip=flip)`` for the data's ``[C, H, H]`` images
+    (``None`` without data); images that are not square are refused."""
     sample = data.first()
     if augmenter is None and sample is not None:
         c, h, w = sample.x.shape[1:]
@@ -252,10 +277,35 @@ def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data:
             augmenter = task_augmenter(int(c), int(h), flip=flip, task=task)
         except ValueError as e:
             raise ConfigError(f"images of shape {[c, h, w]}: {e}") from None
-    if num_classes is None:
-        ys = [d.y for d in (data.labeled, data.test) if d is not None and len(d)]
-        if not ys:
-            raise ConfigError("num_classes is needed when no labeled or test data is given (num_classes=...)")
-        num_classes = int(max(int(y.max()) for y in ys)) + 1
+    return augmenter
+
+
+def user_env(task: TaskConfig, model: nn.Module | Callable[[], nn.Module], data: NodeData, *,
+             num_classes: int | None = None, augmenter: Augmenter | None = None, flip: bool = False,
+             partition_id: int = -1, num_partitions: int = 0, staged: bool = False) -> Env:
+    """An Env over a user's own model and data.
+
+    ``model``: a module (every :meth:`Env.build_model` returns a deep copy of it, with its
+    weights) or a zero-argument factory (:func:`check_user_model`). ``num_classes``: default is
+    the model's outputs, else the largest label seen + 1 (:func:`user_num_classes`).
+    ``augmenter``: default ``Augmenter(C, H, flip=flip)`` for the data's ``[C, H, H]`` images
+    (FixMatch's weak and strong views, :func:`user_augmenter`). ``staged``: a split algorithm's
+    Env, whose models are :class:`tasks.models.StagedModel` (:func:`tasks.models.as_staged`
+    with ``task.cut``: a ``(bottom, top)`` pair, or an ``nn.Sequential`` cut after a child).
+    """
+    cut = task.cut or None
+    check_user_model(model, staged=staged, cut=cut)
+    num_classes = user_num_classes(model, data, num_classes)
+    if staged and isinstance(model, (tuple, list)):
+        model = _staged(model, cut)
+    if isinstance(model, nn.Module):
+        proto = model
+        model_fn: Callable[[], nn.Module] = lambda: copy.deepcopy(proto)  # noqa: E731
+    else:
+        model_fn = model
+    if staged:
+        base_fn = model_fn
+        model_fn = lambda: _staged(base_fn(), cut)  # noqa: E731
+    augmenter = user_augmenter(data, augmenter, flip, task)
     return Env(task, resolve_device(task.device, task.deterministic), augmenter, int(num_classes), model_fn, data,
                partition_id, num_partitions, seeded_init=False)

@@ -23,16 +23,17 @@ from tasks.data import DatasetError, as_dataset
 from tasks.env import NodeData, library_env
 from tests.test_conformance import NODES, config, state_of
 
+# the client class of each algorithm (one class serves every algorithm of its module)
 MAIN = {"fedavg": "FedAvg", "ssfl": "SSFL", "semisfl": "SemiSFL", "scala": "Scala", "fedshvr": "FedSHVR",
-        "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedLC",
+        "umpfssl": "UMPFSSL", "fedprox": "FedProx", "fedlc": "FedProx",
         # the baselines: Semi-SFL's, SCALA's, the SSFL benchmark's
         "semifl": "SemiFL", "fedmatch": "FedMatch", "fedswitch": "FedSwitch", "fedcbs": "FedCBS",
-        "fedconcat": "FedConcat", "datasharing": "DataSharing", "easgd": "EASGD", "overlapsgd": "OverlapSGD",
+        "fedconcat": "FedConcat", "datasharing": "DataSharing", "easgd": "EASGD", "overlapsgd": "EASGD",
         # UM-pFSSL's Table 1
-        "fedavg-sl": "FedAvgSL", "fedprox-sl": "FedProxSL", "fedbn-sl": "FedBNSL", "fixbn": "FixBN",
+        "fedavg-sl": "FedAvgSL", "fedprox-sl": "FedAvgSL", "fedbn-sl": "FedAvgSL", "fixbn": "FixBN",
         "lg-fedavg-fix": "LGFedAvg", "pfedme-fix": "PFedMe",
         # SCALA's split baselines
-        "sfl-local-loss": "SFLLocalLoss", "cs-sfl": "CSSFL", "minibatch-sfl": "MinibatchSFL", "scala-pe": "ScalaPE"}
+        "sfl-local-loss": "Scala", "cs-sfl": "Scala", "minibatch-sfl": "Scala", "scala-pe": "ScalaPE"}
 MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic", "fedavg-sl": "supervised_refs",
           "fedprox-sl": "supervised_refs", "fedbn-sl": "supervised_refs", "fixbn": "fedbn",
           "lg-fedavg-fix": "lgfedavg", "pfedme-fix": "pfedme", "sfl-local-loss": "scala", "cs-sfl": "scala",
@@ -170,10 +171,12 @@ def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
     from strategies.fedavg import FedAvgClient
     from strategies.scala import ScalaClient
 
-    app = client_app(FedAvgClient(_Tiny(), {}), ScalaClient(_Tiny(), {}))
+    data = {"labeled": _sets(0)}
+    split = (nn.Sequential(nn.Flatten(), nn.Linear(64, 8)), nn.Linear(8, 3))
+    app = client_app(FedAvgClient(_Tiny(), data), ScalaClient(split, data))
     assert sorted(app._registered_funcs) == ["query.node_info", "query.split", "query.split_info", "train.default"]
     with pytest.raises(ValueError, match="two clients serve algo='fedavg'"):
-        client_app(FedAvgClient(_Tiny(), {}), FedAvgClient(_Tiny(), {}))
+        client_app(FedAvgClient(_Tiny(), data), FedAvgClient(_Tiny(), data))
 
 
 @pytest.mark.parametrize("build, match", [

@@ -16,11 +16,14 @@ id is in the test name or parameter id).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from typing import Any, get_type_hints
 
+import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
+from torch import nn
 
 from flower_apps.config import AppConfig, check_partition, parse_run_config, preflight
 from strategies.registry import algorithm_names, get_algorithm
@@ -403,3 +406,115 @@ def test_variant_conflict_reported_by_the_serverapp_from_the_runs_override_keys(
     with pytest.raises(Exception) as e:  # no conflict: the run gets past the config (to this fake grid)
         run(grid, {**cfg, "run-name": "ok"})
     assert not isinstance(e.value, ConfigError), e.value
+
+# ----------------------------------------------------------------------------- a user's own Client classes
+class _Whole(nn.Module):
+    """A whole, uncut model with 10 outputs (8x8 grey images)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.fc = nn.Flatten(), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def _shard(labels) -> tuple[np.ndarray, np.ndarray]:
+    y = np.asarray(labels, dtype=np.int64)
+    return np.random.default_rng(0).integers(0, 256, (len(y), 1, 8, 8), dtype=np.uint8), y
+
+
+def _node(labels=range(10)) -> dict:
+    x, y = _shard(labels)
+    return {"labeled": (x, y), "unlabeled": x, "test": (x, y)}
+
+
+def client_classes() -> dict[str, type]:
+    """Every algorithm's Client class (the library's AlgorithmClient subclasses), by name."""
+    from strategies.client import AlgorithmClient
+
+    algorithm_names()   # (imports every algorithm module)
+    out, todo = {}, [AlgorithmClient]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.module and sub.__module__.startswith("strategies."):
+                out[sub.__name__] = sub
+    return out
+
+
+def _split(cls) -> bool:
+    return any(getattr(s.strategy_cls, "staged", False) for s in importlib.import_module(cls.module).ALGORITHMS.values())
+
+
+CLIENTS = client_classes()
+SPLIT_CLIENTS = sorted(n for n, c in CLIENTS.items() if _split(c))
+
+
+def test_the_split_clients_are_found():
+    assert {"ScalaClient", "SemiSFLClient", "ScalaPEClient"} <= set(SPLIT_CLIENTS) and "FedAvgClient" not in SPLIT_CLIENTS
+
+
+@pytest.mark.parametrize("name", SPLIT_CLIENTS)
+def test_a_split_client_refuses_an_uncut_model_at_construction(name):
+    """``ScalaClient(<a whole model>, ...)`` is refused by the constructor, naming the argument
+    and what is allowed (before: it built, and every node was dropped at every round)."""
+    cls = CLIENTS[name]
+    with pytest.raises(ConfigError, match=rf"^{name}: model: a split algorithm needs a StagedModel, a \(bottom, top\) "
+                                          r"pair or an nn.Sequential with a cut; got _Whole$"):
+        cls(_Whole(), _node())
+    cls((nn.Flatten(), nn.Linear(64, 10)), _node())                 # a (bottom, top) pair
+    cls(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), _node())    # cut where the server's cut says
+
+
+@pytest.mark.parametrize("name", sorted(set(CLIENTS) - set(SPLIT_CLIENTS)))
+def test_a_full_model_client_takes_a_whole_model(name):
+    CLIENTS[name](_Whole(), _node())
+
+
+@pytest.mark.parametrize("name", sorted(CLIENTS))
+def test_labels_outside_the_models_classes_are_refused_at_construction(name):
+    """Labels 1..10 with a 10-class model: refused by the constructor with what was found (before:
+    ``IndexError: Target 10 is out of bounds`` at the first evaluation)."""
+    model = (nn.Flatten(), nn.Linear(64, 10)) if name in SPLIT_CLIENTS else _Whole()
+    with pytest.raises(ConfigError, match=rf"^{name}: labeled set's labels: found 1 \.\. 10 \(10 distinct values\); "
+                                          r"the model has 10 outputs, so labels must be 0 \.\. 9"):
+        CLIENTS[name](model, _node(range(1, 11)))
+
+
+def test_labels_are_checked_against_the_classes_inferred_one_way():
+    """Without ``num_classes`` the number of classes is the model's outputs (not the largest label
+    + 1, which made labels 1..10 eleven classes); the check uses the same number; a given
+    ``num_classes`` above the model's outputs does not widen what the model can predict."""
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+    from tasks.env import NodeData, user_num_classes
+
+    assert user_num_classes(_Whole(), NodeData.of(labeled=_shard(range(9)))) == 10
+    assert user_num_classes(_Whole, NodeData.of(labeled=_shard(range(9)))) == 9     # a factory: from the labels
+    assert user_num_classes(_Whole(), NodeData.of(labeled=_shard(range(9))), num_classes=12) == 12
+    with pytest.raises(ConfigError, match=r"test set's labels: found 0 \.\. 10 \(11 distinct values\); the model has "
+                                          r"10 outputs and num_classes=11, so labels must be 0 \.\. 9"):
+        FedAvgClient(_Whole(), {"labeled": _shard(range(10)), "test": _shard(range(11))}, num_classes=11)
+    # the strategies refuse the same data with the same check (tasks.env.user_num_classes)
+    with pytest.raises(ConfigError, match=r"^test set's labels: found 1 \.\. 10 \(10 distinct values\); the model "
+                                          r"has 10 outputs, so labels must be 0 \.\. 9"):
+        FedAvgStrategy(model=_Whole(), test_data=_shard(range(1, 11)))
+
+
+def test_a_client_checks_its_data_as_the_strategies_do():
+    """The sets the algorithm needs and the images are checked by the client's constructor when
+    the data are given (a function of the node's Context is called at its first message)."""
+    from strategies.fedavg import FedAvgClient, FedAvgStrategy
+    from strategies.ssfl import SSFLClient
+
+    x, y = _shard(range(10))
+    with pytest.raises(ConfigError, match="^FedAvgClient: this node has no labeled data; it needs: labeled$"):
+        FedAvgClient(_Whole(), {"unlabeled": x})
+    with pytest.raises(ConfigError, match="^SSFLClient: this node has no unlabeled data"):
+        SSFLClient(_Whole(), {"labeled": (x, y)})
+    flat = (np.zeros((4, 1, 8, 6), np.uint8), np.zeros(4, np.int64))
+    with pytest.raises(ConfigError, match=r"^FedAvgClient: images must be square \[C, H, H\]; got \[C, H, W\] = \[1, 8, 6\]"):
+        FedAvgClient(nn.Sequential(nn.Flatten(), nn.Linear(48, 10)), {"labeled": flat})
+    with pytest.raises(ConfigError, match=r"^images must be square \[C, H, H\]; got \[C, H, W\] = \[1, 8, 6\]"):
+        FedAvgStrategy(model=nn.Sequential(nn.Flatten(), nn.Linear(48, 10)), test_data=flat)
+    FedAvgClient(_Whole(), lambda context: {"unlabeled": x})   # a function: checked when a message comes
