@@ -42,8 +42,10 @@ class AppConfig:
     """How the run is driven (not sent to clients)."""
 
     algo: str = knob("semisfl", help="which algorithm to run (see README table)")
-    algo_modules: str = knob("", help="comma-separated modules outside the library that register algorithms "
-                                      "(strategies.registry.bind); imported on the ServerApp and on every node")
+    algo_modules: str = knob("", help="comma-separated modules outside the library, not installed as packages, "
+                                      "that register algorithms (strategies.registry.register); imported on the "
+                                      "ServerApp and on every node (an installed package declares them as entry "
+                                      "points of the group flower_ssl.algorithms instead)")
     num_rounds: int = knob(4, lo=1, help="communication rounds")
     fraction_train: float = knob_of(RoundPolicy, "fraction_train")
     min_nodes: int = knob_of(RoundPolicy, "min_nodes")

@@ -75,7 +75,7 @@ from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_st
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 SHARED_KEY = "shared-data"           # message ArrayRecord: G_k (x, y); byte kind "shared-data"
 STATE_KEY = "datasharing.shared"     # context.state: the node's G_k
@@ -282,7 +282,7 @@ class DataSharingStrategy(BaseStrategy):
         self.warmed = bool(state.get("warmed", True))
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "datasharing": AlgorithmSpec(
         name="datasharing", paper="Zhao et al. 2018 (arXiv:1806.00582); SSFL Table 3",
         strategy_cls=DataSharingStrategy, config_cls=DataSharingConfig, namespace="datasharing",

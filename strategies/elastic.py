@@ -81,7 +81,7 @@ from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_st
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 X_KEY = "elastic.x"              # context.state: the worker's own model x_i (full state dict)
 MOMENTUM_KEY = "elastic.momentum"  # context.state: the local SGD momentum buffers (by parameter name)
@@ -327,7 +327,7 @@ class OverlapSGDStrategy(_ElasticStrategy):
         return overlap_fold(z)
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "easgd": AlgorithmSpec(
         name="easgd", paper="Zhang, Choromanska, LeCun 2015 (NeurIPS); SSFL Table 4", strategy_cls=EASGDStrategy,
         config_cls=EASGDConfig, namespace="easgd", client={"train": easgd_train},

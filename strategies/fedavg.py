@@ -41,7 +41,7 @@ from tasks.training import (
 )
 
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 
 class FedAvgStrategy(BaseStrategy):
@@ -103,7 +103,7 @@ class SupervisedOnlyStrategy(BaseStrategy):
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedavg": AlgorithmSpec(
         name="fedavg", paper="McMahan et al. 2017 (reference)", strategy_cls=FedAvgStrategy,
         client={"train": client_train},

@@ -76,9 +76,7 @@ from .client import AlgorithmClient
 from .fedavg import FedAvgStrategy
 from .fedavg import client_train as fedavg_train
 from .label_histogram import HISTOGRAM, LabelHistograms, client_label_histogram
-from .registry import AlgorithmSpec, bind
-
-QUERY_ACTIONS = ("label-histogram",)   # the query it asks (strategies.label_histogram)
+from .registry import AlgorithmSpec, register
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,7 @@ class FedCBSStrategy(LabelHistograms, FedAvgStrategy):
         self.selections = {int(p): int(c) for p, c in state.get("selections", {}).items()}
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedcbs": AlgorithmSpec(
         name="fedcbs", paper="Zhang et al. 2023 (ICML); SCALA baseline", strategy_cls=FedCBSStrategy,
         config_cls=FedCBSConfig, namespace="fedcbs",

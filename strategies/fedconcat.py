@@ -105,10 +105,9 @@ from .base import BaseStrategy
 from .client import AlgorithmClient
 from .fedavg import client_train as fedavg_train
 from .label_histogram import HISTOGRAM, LabelHistograms, client_label_histogram
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 NS = "fedconcat"
-QUERY_ACTIONS = ("label-histogram",)   # the query it asks (strategies.label_histogram)
 HEAD = "head"
 STAGE = "fedconcat-stage"
 
@@ -392,7 +391,7 @@ class FedConcatStrategy(LabelHistograms, BaseStrategy):
         self._concat = None
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedconcat": AlgorithmSpec(
         name="fedconcat", paper="Diao, Li, He 2024 (AAAI); SCALA baseline", strategy_cls=FedConcatStrategy,
         config_cls=FedConcatConfig, namespace=NS,

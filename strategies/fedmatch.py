@@ -139,7 +139,7 @@ from tasks.training import (
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 __all__ = [
     "ALGORITHMS",
@@ -369,7 +369,7 @@ def client_train(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedmatch": AlgorithmSpec(
         name="fedmatch", paper="Jeong et al. 2021 (ICLR), labels-at-server; Semi-SFL baseline",
         strategy_cls=FedMatchStrategy, config_cls=FedMatchConfig, namespace="fedmatch",

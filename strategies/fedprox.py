@@ -41,7 +41,7 @@ from tasks.losses import calibrated_ce, proximal_term
 from .client import AlgorithmClient
 from .fedavg import FedAvgStrategy
 from .fedavg import client_train as fedavg_train
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def fedlc_train(msg: Message, context: Context) -> Message:
     return fedavg_train(msg, context, loss_fn=loss)
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedprox": AlgorithmSpec(
         name="fedprox", paper="Li et al. 2020 (MLSys); SCALA baseline", strategy_cls=FedProxStrategy,
         config_cls=FedProxConfig, namespace="fedprox", client={"train": fedprox_train},

@@ -133,7 +133,7 @@ from tasks.training import (
 )
 
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 NAMESPACE = "fedshvr"
 STATE_CARRY = "fedshvr-carry"   # ArrayRecord: d_k^{t-1} + own normalised step / eta
@@ -496,7 +496,7 @@ def _spec(name: str, description: str, **overrides: Any) -> AlgorithmSpec:
                          label_metrics=("pl-acc", "pl-acc-unseen"))   # (from the node's hidden labels)
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedshvr": _spec("fedshvr", "soft labels (r1) + confidence penalty (r2) + VR correction + FedNova"),
     "fed-pseudo": _spec("fed-pseudo", "FedAvg + hard pseudo-labels (baseline)", alpha1=0.0, alpha2=0.0,
                         correction=False, normalized_averaging=False),

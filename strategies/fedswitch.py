@@ -102,7 +102,7 @@ from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_st
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 __all__ = ["FedSwitchConfig", "FedSwitchStrategy", "FedSwitchClient", "TEACHER_KEY", "client_train", "ALGORITHMS"]
 
@@ -271,7 +271,7 @@ class ClientsFold:
         return self.strategy.finish_clients(self.mean.result(), self.mets)
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "fedswitch": AlgorithmSpec(
         name="fedswitch", paper="Zhao et al. 2023 (arXiv:2301.10114), reconstruction; Semi-SFL baseline",
         strategy_cls=FedSwitchStrategy, config_cls=FedSwitchConfig, namespace="fedswitch",

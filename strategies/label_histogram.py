@@ -10,8 +10,8 @@ distribution, as FedConcat's ``--eps``). The histogram is the algorithm's input,
 so it is sent whatever the node's ``share-label-metrics`` consent says; the algorithms that ask
 for it say so in their docstrings.
 
-Node side (:func:`client_label_histogram`, a handler of a module that declares
-``QUERY_ACTIONS = ("label-histogram",)``): the reply carries ``config`` with ``partition-id``,
+Node side (:func:`client_label_histogram`, an algorithm's client handler under
+``"label-histogram"``): the reply carries ``config`` with ``partition-id``,
 ``num-partitions`` and ``num-examples`` (n, the node's labeled samples) and the array record
 ``label-histogram`` with ``counts`` (float64 ``[M]``; byte kind ``histogram``).
 

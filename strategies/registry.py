@@ -1,117 +1,161 @@
 """Algorithm registry: run-config name -> strategy class, config dataclass, client handlers.
 
-An algorithm registers itself from its own module: the module defines
-``ALGORITHMS = bind({name: AlgorithmSpec(...), ...})`` (and, if its nodes answer queries of
-their own, ``QUERY_ACTIONS = ("action", ...)``), and nothing else in the library is edited.
-Baselines that differ from an algorithm by a switch are the same module with ``overrides``
-(e.g. SCALA's ``ca-sfl``), not copies.
+An algorithm module registers its algorithms when it is imported, by one call at its top level::
 
-* **The library's own algorithms** (the modules of this package) are found without importing
-  them: the registry reads the string keys of each module's ``ALGORITHMS = bind({...})`` and
-  its ``QUERY_ACTIONS`` from the source (:func:`library_index`). A module is imported when one
-  of its algorithms is asked for, so a deployment's ClientApp process, which serves one
-  algorithm per message, imports only that one.
-* **An algorithm outside the library** registers when its module is imported (``bind``): a
-  user's own Flower app imports it anyway; the library's app imports the modules named in
-  the run config's ``algo-modules`` on the server and on every node (:func:`import_modules`).
-  Its query actions (if any) are answered by its own ClientApp (``XClient.register(app)``);
-  the library's ClientApp routes ``train``, ``evaluate`` and the library's query actions.
+    ALGORITHMS = register({"my-algo": AlgorithmSpec(name="my-algo", strategy_cls=MyStrategy, ...)})
+
+Every algorithm reaches the registry that way, by an ordinary import of its module:
+
+* **the library's own**: :func:`load` imports every module of the ``strategies`` package
+  (found with :func:`pkgutil.walk_packages`: adding a module adds its algorithms, no list is
+  edited);
+* **an installed package's**: a package declares its algorithm modules as Python entry points
+  of the group :data:`ENTRY_POINT_GROUP` in its ``pyproject.toml``::
+
+      [project.entry-points."flower_ssl.algorithms"]
+      my-algo = "my_package.my_algo"
+
+  and :func:`load` imports each of them (:func:`importlib.metadata.entry_points`), on the
+  ServerApp and in every ClientApp process, as Flower's own plugins are found;
+* **a module that is not an installed package** (a file on the path of the ServerApp and of
+  every SuperNode): the run config's ``algo-modules`` names it (:func:`import_modules`).
+
+A node's query actions (Flower message type ``query.<action>``) are the keys of the
+registered specs' ``client`` handlers besides ``train`` and ``evaluate``
+(:func:`query_actions`): the library's ClientApp registers each with Flower's routing, its
+entry-point plugins' included. Registering gives each strategy class the specs it runs
+(``cls.specs``, its first the default ``algo=``) and a signature with the defaults of that
+first algorithm (``cls.__signature__``: ``help(CSSFLStrategy)`` shows CS-SFL's own switches).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
+import importlib.metadata
+import inspect
 import pkgutil
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from flwr.app import Context, Message
 
 from tasks.config import ConfigError, key_of, parse_dataclass, replace_checked
 
+__all__ = ["ENTRY_POINT_GROUP", "AlgorithmSpec", "register", "load", "load_entry_points", "import_modules",
+           "algorithm_names", "get_algorithm", "algorithm_for", "query_actions", "namespaces", "module_of",
+           "wrong_algo", "unregister"]
+
 ClientHandler = Callable[[Message, Context], Message]
 
-_REGISTERED: dict[str, "AlgorithmSpec"] = {}   # name -> spec, filled by bind() when a module is imported
-_MODULE_OF: dict[str, str] = {}                 # name -> the module that registered it
-_INDEX: tuple[dict[str, str], tuple[str, ...]] | None = None
+#: the entry-point group an installed package declares its algorithm modules under
+ENTRY_POINT_GROUP = "flower_ssl.algorithms"
+
+_REGISTERED: dict[str, "AlgorithmSpec"] = {}   # name -> spec, in the order registered
+_LOADED = False                                # load() ran in this process
 
 
-def library_index() -> tuple[dict[str, str], tuple[str, ...]]:
-    """``(name -> module, query actions)`` of the algorithm modules of this package, read from
-    their source without importing them: the string keys of ``ALGORITHMS = bind({...})`` and
-    the strings of ``QUERY_ACTIONS = (...)``. A module whose ``ALGORITHMS`` is not such a
-    literal is imported to learn its names."""
-    global _INDEX
-    if _INDEX is not None:
-        return _INDEX
-    names: dict[str, str] = {}
-    actions: list[str] = []
-    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        module = f"{__package__}.{info.name}"
-        path = Path(__file__).parent / f"{info.name}.py"
-        if info.ispkg or not path.is_file():
-            continue
-        found, acts, literal = _read_module(path)
-        if not literal:   # not the convention: import it (it registers itself)
-            importlib.import_module(module)
-            found = [n for n, m in _MODULE_OF.items() if m == module]
-            acts = list(getattr(sys.modules[module], "QUERY_ACTIONS", ()))
-        for n in found:
-            names[n] = module
-        actions += [a for a in acts if a not in actions]
-    _INDEX = (names, tuple(actions))
-    return _INDEX
+def register(algorithms: dict[str, AlgorithmSpec]) -> dict[str, AlgorithmSpec]:
+    """Register an algorithm module's algorithms (``ALGORITHMS = register({...})`` at the
+    module's top level; the keys are the specs' names) and give each strategy class the specs
+    it runs (``cls.specs``, its first name first, so that ``Strategy(algo=..., **options)``
+    builds and checks its config from the same specs as the run config) and the signature of
+    its first one (:func:`signature_of`). A name registered by another module is a
+    ``ValueError``; the same module imported again replaces its own. Returns ``algorithms``."""
+    for name, spec in algorithms.items():
+        if name != spec.name:
+            raise ValueError(f"ALGORITHMS key {name!r} names a spec of algo={spec.name!r}")
+        old = _REGISTERED.get(name)
+        module = spec.strategy_cls.__module__
+        if old is not None and old.strategy_cls.__module__ != module:
+            raise ValueError(f"algo={name!r} is registered by {old.strategy_cls.__module__} already; "
+                             f"{module} registers it again")
+        _REGISTERED[name] = spec
+        cls = spec.strategy_cls
+        if "specs" not in cls.__dict__:
+            cls.specs = {}
+        cls.specs[name] = spec
+    for cls in {s.strategy_cls for s in algorithms.values()}:
+        cls.__signature__ = signature_of(cls)
+    return algorithms
 
 
-def _read_module(path: Path) -> tuple[list[str], list[str], bool]:
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    names: list[str] = []
-    actions: list[str] = []
-    literal = True
-    dicts: dict[str, list] = {}   # module-level dict literals (a table of variants)
-    for node in tree.body:
-        if not isinstance(node, (ast.Assign, ast.AnnAssign)):
-            continue
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        if len(targets) != 1 or not isinstance(targets[0], ast.Name) or node.value is None:
-            continue
-        target, value = targets[0].id, node.value
-        if isinstance(value, ast.Dict):
-            dicts[target] = value.keys
-        if target == "ALGORITHMS":
-            arg = value.args[0] if isinstance(value, ast.Call) and value.args else None
-            keys = arg.keys if isinstance(arg, ast.Dict) else None
-            # {name: ... for name, ... in TABLE.items()} over a module-level dict literal
-            if (isinstance(arg, ast.DictComp) and len(arg.generators) == 1
-                    and isinstance(it := arg.generators[0].iter, ast.Call) and isinstance(it.func, ast.Attribute)
-                    and it.func.attr == "items" and isinstance(it.func.value, ast.Name)):
-                keys = dicts.get(it.func.value.id)
-            if keys is None or not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys):
-                literal = False
-            else:
-                names += [k.value for k in keys]
-        elif target == "QUERY_ACTIONS" and isinstance(value, (ast.Tuple, ast.List)):
-            actions += [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-    return names, actions, literal
+def signature_of(cls: type) -> inspect.Signature:
+    """The constructor signature ``help(cls)`` shows: ``cls.__init__``'s, with ``algo`` defaulting
+    to the class's first algorithm and that algorithm's config fields as keyword options with
+    the values it runs with (the config's defaults, the variant's fixed switches applied). An
+    ``__init__(self, *args, **kwargs)`` that passes everything on shows its parent's."""
+    for owner in cls.__mro__:
+        sig = inspect.signature(owner.__init__)
+        params = list(sig.parameters.values())[1:]   # (self)
+        if {p.kind for p in params} != {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            break
+    first = next(iter(cls.specs.values()))
+    params = [p.replace(default=first.name) if p.name == "algo" else p for p in params]
+    var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
+    out = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    if first.config_cls is not None and var_kw:
+        from tasks.config import fields_of, range_text
+
+        taken = {p.name for p in params}
+        cfg = first.config_cls()
+        for f, typ in fields_of(first.config_cls):
+            if f.init and f.name not in taken:
+                m = dict(f.metadata)   # the knob's type, range and choices (tasks.config.knob)
+                kind = getattr(typ, "__name__", str(typ))
+                if m.get("lo") is not None or m.get("hi") is not None:
+                    kind += f" in {range_text(m)}"
+                if m.get("choices"):
+                    kind += f", one of {', '.join(map(str, m['choices']))}"
+                out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
+                                             default=first.overrides.get(f.name, getattr(cfg, f.name))))
+    return sig.replace(parameters=out + var_kw)
 
 
-def query_actions() -> tuple[str, ...]:
-    """Every query action a node of the library's algorithms answers (Flower message type
-    ``query.<action>``, with ``_`` for ``-``), besides ``train`` and ``evaluate``: the one every
-    node answers (``node-info``), the split runtime's, and the algorithm modules' own
-    ``QUERY_ACTIONS``. The library's ClientApp registers these with Flower's routing."""
-    from split_layer.records import NODE_INFO, SPLIT_ACTIONS
+def wrong_algo(owner: str, algo: str, runs: Iterable[str]) -> ConfigError:
+    """The error for ``Owner(algo=algo)`` where ``owner`` runs only ``runs``: it names the
+    class that runs ``algo`` (or the algorithms there are)."""
+    load()
+    spec = _REGISTERED.get(algo)
+    fix = (f"algo={algo!r} is run by {spec.strategy_cls.__name__} (from {spec.strategy_cls.__module__} "
+           f"import {spec.strategy_cls.__name__})" if spec is not None
+           else f"the algorithms are: {', '.join(algorithm_names())}")
+    return ConfigError(f"algo={algo!r} is not run by {owner}; it runs: {', '.join(runs)}; {fix}")
 
-    own = library_index()[1]
-    return (NODE_INFO, *SPLIT_ACTIONS, *(a for a in own if a not in (NODE_INFO, *SPLIT_ACTIONS)))
+
+def load() -> None:
+    """Register every algorithm there is, once per process: the modules of the ``strategies``
+    package, then the modules installed packages declare under :data:`ENTRY_POINT_GROUP`."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    package = sys.modules[__package__]
+    for info in pkgutil.walk_packages(package.__path__, f"{__package__}."):
+        importlib.import_module(info.name)
+    load_entry_points()
+
+
+def load_entry_points() -> list[str]:
+    """Import the module of every entry point of :data:`ENTRY_POINT_GROUP` (each registers its
+    algorithms); returns the entry points' names. :func:`load` calls it once per process; call
+    it again for a package installed since. One that cannot be imported is a ``ConfigError``
+    naming it and its package."""
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in eps:
+        try:
+            ep.load()
+        except Exception as e:  # noqa: BLE001 - any error of a plugin's import: name the plugin
+            dist = getattr(ep, "dist", None)
+            where = f" of package {dist.name} {dist.version}" if dist is not None else ""
+            raise ConfigError(f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP}){where}: "
+                              f"cannot import it ({type(e).__name__}: {e})") from e
+    return [ep.name for ep in eps]
 
 
 def import_modules(modules: str | Iterable[str]) -> None:
-    """Import algorithm modules from outside the library (run-config ``algo-modules``: a
+    """Import algorithm modules that are not installed packages (run-config ``algo-modules``: a
     comma-separated list of importable module names); each registers its algorithms."""
     names = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else list(modules)
     for m in names:
@@ -124,7 +168,19 @@ def import_modules(modules: str | Iterable[str]) -> None:
                               f"ServerApp and on every SuperNode") from None
 
 
-@dataclass(frozen=True)
+def query_actions() -> tuple[str, ...]:
+    """Every query action a node answers besides ``train`` and ``evaluate`` (Flower message
+    type ``query.<action>``, with ``_`` for ``-``): ``node-info`` (every node), then those of
+    the registered algorithms' client handlers, sorted. The library's ClientApp registers these
+    with Flower's routing."""
+    from strategies.core.records import NODE_INFO
+
+    load()
+    own = {a for s in _REGISTERED.values() for a in s.client} - {"train", "evaluate", NODE_INFO}
+    return (NODE_INFO, *sorted(own))
+
+
+@dataclass(frozen=True, repr=False)
 class AlgorithmSpec:
     """Everything the app needs to run one algorithm (or one switch-variant of it)."""
 
@@ -137,20 +193,24 @@ class AlgorithmSpec:
     client: dict[str, ClientHandler] = field(default_factory=dict)  # op -> handler
     node_state: tuple[str, ...] = ()     # context.state keys kept from round to round (strategies.node_state)
     # reply metrics computed from a node's labels: sent only with the node's consent
-    # (split_layer.records.label_consent); without it the server records them as not reported
+    # (strategies.core.records.label_consent); without it the server records them as not reported
     label_metrics: tuple[str, ...] = ()
     status: str = "implemented"
     description: str = ""
 
     def __post_init__(self) -> None:
-        from split_layer.records import NODE_INFO, SPLIT_ACTIONS
+        from strategies.core.records import message_type
 
-        module = sys.modules.get(self.strategy_cls.__module__)
-        own = tuple(getattr(module, "QUERY_ACTIONS", ()))
-        unknown = sorted(set(self.client) - {"train", "evaluate", NODE_INFO, *SPLIT_ACTIONS, *own})
-        if unknown:
-            raise ValueError(f"algorithm {self.name!r}: client actions {unknown} are not declared; name them in "
-                             f"QUERY_ACTIONS = (...) at the top of {self.strategy_cls.__module__}")
+        for action in self.client:   # (Flower routes query.<name>: a name it cannot route is refused now)
+            try:
+                message_type(action)
+            except ValueError as e:
+                raise ValueError(f"algorithm {self.name!r}: client {e}") from None
+
+    def __repr__(self) -> str:   # (help() of a strategy class lists its specs: one line each)
+        fixed = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
+        return (f"<algo {self.name!r}: {self.description or self.paper}"
+                + (f"; fixes {fixed}" if fixed else "") + ">")
 
     def handle(self, msg: Message, context: Context, action: str | None = None) -> Message:
         """Answer one server message on the ClientApp side: the handler of its action
@@ -159,9 +219,7 @@ class AlgorithmSpec:
         round-to-round node state restored before and saved after
         (:mod:`strategies.node_state`), and no metric of :attr:`label_metrics` in the reply
         without the node's consent."""
-        from split_layer.records import (
-            EVAL_ACTIONS,
-            INFO_ACTIONS,
+        from strategies.core.records import (
             NODE_INFO,
             WORK_KEY,
             action_of,
@@ -185,18 +243,26 @@ class AlgorithmSpec:
 
             with count_work() as work:
                 reply = node_state.handle(handler, msg, context, self.node_state,
-                                          persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+                                          persist=action not in self.quiet_actions)
             if not reply.has_error():
                 reply.content[WORK_KEY] = MetricRecord({"flops": work.flops, "steps": work.steps})
         else:
             reply = node_state.handle(handler, msg, context, self.node_state,
-                                      persist=action not in INFO_ACTIONS + EVAL_ACTIONS)
+                                      persist=action not in self.quiet_actions)
         return withhold_label_metrics(reply, self.label_metrics, context)
+
+    @property
+    def quiet_actions(self) -> tuple[str, ...]:
+        """Actions after which a node's state is not saved: those that ask a node about itself
+        (the strategy's ``info_actions``: ``node-info``, a split node's ``split-info``) and
+        evaluation."""
+        from strategies.core.records import EVAL_ACTIONS, INFO_ACTIONS
+        return (*getattr(self.strategy_cls, "info_actions", INFO_ACTIONS), *EVAL_ACTIONS)
 
     @property
     def actions(self) -> list[str]:
         """Every action a node of this algorithm answers (``node-info`` included)."""
-        from split_layer.records import NODE_INFO
+        from strategies.core.records import NODE_INFO
         return sorted({*self.client, NODE_INFO})
 
     def build_config(self, cfg: Any, options: dict[str, Any]):
@@ -252,7 +318,8 @@ class AlgorithmSpec:
             key, show, advice = name, repr, ""
             if run_config:
                 key, show = key_of(name, self.namespace), _show
-                other = [n for n in algorithm_names() if n != self.name and module_of(n) == module_of(self.name)
+                other = [n for n in algorithm_names() if n != self.name
+                         and get_algorithm(n).namespace == self.namespace
                          and get_algorithm(n).overrides.get(name, value) == value]
                 advice = ": drop the key" + (f", or choose algo {' / '.join(repr(n) for n in other)}" if other else "")
             raise ConfigError(f"{key}={show(value)} contradicts algo={self.name!r}, which fixes {key}={show(fixed)} "
@@ -261,7 +328,7 @@ class AlgorithmSpec:
 
 def _counts_work(msg: Message) -> bool:
     """Whether the server asked this message's work counted (``count-work`` in its config)."""
-    from split_layer.records import CONFIG_KEY, COUNT_WORK_KEY
+    from strategies.core.records import CONFIG_KEY, COUNT_WORK_KEY
 
     rec = msg.content.config_records.get(CONFIG_KEY)
     return bool(rec is not None and rec.get(COUNT_WORK_KEY, False))
@@ -275,13 +342,14 @@ def _show(v: Any) -> str:
 
 
 def algorithm_names() -> list[str]:
-    """Every algorithm: the library's own (:func:`library_index`) and those registered by
-    modules imported from outside it."""
-    return sorted(set(library_index()[0]) | set(_REGISTERED))
+    """Every registered algorithm (:func:`load`; and those of ``algo-modules`` imported)."""
+    load()
+    return sorted(_REGISTERED)
 
 
 def module_of(name: str) -> str:
-    return _MODULE_OF.get(name) or library_index()[0][name]
+    """The module of the strategy class that runs ``name``."""
+    return get_algorithm(name).strategy_cls.__module__
 
 
 def namespaces() -> dict[str, AlgorithmSpec]:
@@ -295,14 +363,11 @@ def namespaces() -> dict[str, AlgorithmSpec]:
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
+    load()
     if name not in _REGISTERED:
-        module = library_index()[0].get(name)
-        if module is None:
-            raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())} (an algorithm "
-                              f"outside the library: name its module in algo-modules)")
-        importlib.import_module(module)
-        if name not in _REGISTERED:
-            raise ConfigError(f"module {module} did not register algo={name!r}")
+        raise ConfigError(f"algo={name!r} is not one of: {', '.join(algorithm_names())} (an algorithm outside "
+                          f"the library: install a package that declares its module under the entry-point group "
+                          f"{ENTRY_POINT_GROUP!r}, or name its module in algo-modules)")
     return _REGISTERED[name]
 
 
@@ -311,10 +376,10 @@ def algorithm_for(msg: Message, served: dict[str, Any] | None = None, who: str =
     """The one lookup of the algorithm a server message names (``config["algo"]``, which every
     message carries): ``served[name]`` (what a client serves: specs, or one client per
     algorithm), or with ``served=None`` the registry's :class:`AlgorithmSpec` (an algorithm
-    from outside the library is imported first from ``context``'s run config ``algo-modules``).
-    A message without ``algo`` or naming another algorithm is a ``ValueError`` (a
-    ``ConfigError`` from the registry) that names what is served."""
-    from split_layer.records import CONFIG_KEY
+    from a module that is not installed is imported first from ``context``'s run config
+    ``algo-modules``). A message without ``algo`` or naming another algorithm is a
+    ``ValueError`` (a ``ConfigError`` from the registry) that names what is served."""
+    from strategies.core.records import CONFIG_KEY
 
     cfg = msg.content.config_records.get(CONFIG_KEY)
     if cfg is None or "algo" not in cfg:
@@ -330,60 +395,8 @@ def algorithm_for(msg: Message, served: dict[str, Any] | None = None, who: str =
 
 
 def unregister(*names: str) -> None:
-    """Forget algorithms registered from outside the library (tests)."""
+    """Forget registered algorithms (tests of modules from outside the library)."""
     for n in names:
-        _REGISTERED.pop(n, None)
-        _MODULE_OF.pop(n, None)
-
-
-def bind(algorithms: dict[str, AlgorithmSpec]) -> dict[str, AlgorithmSpec]:
-    """Register an algorithm module's algorithms (call it as ``ALGORITHMS = bind({...})`` at
-    the module's top level), and give each strategy class the specs it runs (``cls.specs``,
-    its first name first), so that ``Strategy(algo=..., **options)`` builds and checks its
-    config from the same specs as the run config. Returns ``algorithms``."""
-    for name, spec in algorithms.items():
-        if name != spec.name:
-            raise ValueError(f"ALGORITHMS key {name!r} names a spec of algo={spec.name!r}")
-        owner = _MODULE_OF.get(name)
-        module = sys._getframe(1).f_globals.get("__name__", spec.strategy_cls.__module__)
-        if owner is not None and owner != module:
-            raise ValueError(f"algo={name!r} is registered by {owner} already; {module} registers it again")
-        _REGISTERED[name], _MODULE_OF[name] = spec, module
-        cls = spec.strategy_cls
-        if "specs" not in cls.__dict__:
-            cls.specs = {}
-            cls.__doc__ = _doc(cls)
-        cls.specs[spec.name] = spec
-    for cls in {s.strategy_cls for s in algorithms.values()}:
-        cls.__doc__ += _variants_doc(cls)
-    return algorithms
-
-
-def _doc(cls: type) -> str:
-    """A strategy class's docstring for ``help()``: its own, its module's (the paper, the math,
-    the client's contract); :func:`_variants_doc` adds its algorithms and keyword options."""
-    import sys
-
-    own = (cls.__doc__ or "").strip()
-    module = (sys.modules[cls.__module__].__doc__ or "").strip()
-    return f"{own}\n\n{module}\n" if module else f"{own}\n"
-
-
-def _variants_doc(cls: type) -> str:
-    from tasks.config import fields_of, range_text
-
-    lines = ["", "Algorithms (``algo=``, the first is the default): "
-             + ", ".join(f"``{n}`` ({s.description})" if s.description else f"``{n}``" for n, s in cls.specs.items())]
-    config_cls = next(iter(cls.specs.values())).config_cls
-    if config_cls is not None:
-        lines += ["", "Keyword options (the paper's defaults; run-config keys in docs/config.md):"]
-        for f, typ in fields_of(config_cls):
-            m = dict(f.metadata)
-            rng = f", in {range_text(m)}" if m.get("lo") is not None or m.get("hi") is not None else ""
-            choices = f", one of {', '.join(map(str, m['choices']))}" if m.get("choices") else ""
-            lines.append(f"    {f.name}={f.default!r}{rng}{choices}: {m.get('help', '')}")
-    lines += ["", "Also any ``TaskConfig`` field (``lr``, ``batch_size``, ``local_epochs``, ``local_steps``, "
-              "``seed``, ``device``...) and ``RoundPolicy`` field (``fraction_train``, ``min_nodes``, "
-              "``round_timeout``...), and ``model``, ``labeled_data``, ``test_data``, ``num_classes``, "
-              "``augmenter``, ``flip`` (:class:`strategies.base.BaseStrategy`)."]
-    return "\n".join(lines) + "\n"
+        spec = _REGISTERED.pop(n, None)
+        if spec is not None:
+            spec.strategy_cls.__dict__.get("specs", {}).pop(n, None)

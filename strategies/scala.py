@@ -130,7 +130,7 @@ from tasks.losses import logit_adjusted_ce
 from tasks.training import derive_seed, make_sgd, seeded
 
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 SERVER_MODES = ("concat", "per-client", "sequential", "local-loss")
 
@@ -581,7 +581,7 @@ _VARIANTS = {
 }
 _STRATEGY = {"sfl-local-loss": SFLLocalLossStrategy, "cs-sfl": CSSFLStrategy}
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     name: AlgorithmSpec(name=name, paper=paper, strategy_cls=_STRATEGY.get(name, ScalaStrategy),
                         config_cls=ScalaConfig, namespace="scala", overrides=ov,
                         client=_LOCAL_CLIENT if ov["server_mode"] == "local-loss" else _CLIENT, description=desc)

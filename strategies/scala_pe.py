@@ -87,7 +87,7 @@ from tasks.inversion import batch_ssim
 from tasks.training import derive_seed, seeded
 
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 from .scala import ScalaConfig, ScalaStrategy
 
 STATE_INVERTER = "scala-pe.inverter"   # node state (not "split.*": the worker clears those)
@@ -338,7 +338,7 @@ class ScalaPEStrategy(ScalaStrategy):
 
 _HOOKS = ScalaPEClientHooks()
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "scala-pe": AlgorithmSpec(
         name="scala-pe", paper="SCALA-PE (Yang & Liu, Table VI), following ResSFL (Li et al., CVPR 2022)",
         strategy_cls=ScalaPEStrategy, config_cls=ScalaPEConfig, namespace="scala-pe",

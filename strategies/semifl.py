@@ -119,7 +119,7 @@ from tasks.training import (
 
 from .base import BaseStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 OPT_STATE_KEY = "semifl.optimizer"   # context.state ArrayRecord: the client's SGD momentum buffers
 LABEL_METRICS = ("fix-correct",)
@@ -348,7 +348,7 @@ class SemiFLStrategy(BaseStrategy):
         self.warm = bool(state.get("warm", False))
 
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "semifl": AlgorithmSpec(
         name="semifl", paper="Diao, Ding, Tarokh 2022 (NeurIPS); Semi-SFL baseline", strategy_cls=SemiFLStrategy,
         config_cls=SemiFLConfig, namespace="semifl", client={"train": client_train},

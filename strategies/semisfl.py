@@ -121,7 +121,7 @@ from tasks.training import derive_seed, make_sgd
 
 from .base import SplitStrategy
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 __all__ = ["SemiSFLConfig", "SemiSFLStrategy", "SemiSFLClientHooks", "SemiSFLClient", "semisfl_server",
            "KsController", "ProjectionHead", "SemiSFLServer", "milestone_period", "STUDENT", "TEACHER",
@@ -408,7 +408,7 @@ class SemiSFLClientHooks(SplitClientHooks):
 
 _CLIENT = make_split_handlers(SemiSFLClientHooks())
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "semisfl": AlgorithmSpec(
         name="semisfl", paper="Sun et al., Semi-SFL (clustering regularization + adaptive K_s)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,

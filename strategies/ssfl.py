@@ -129,7 +129,7 @@ from tasks.training import (
 )
 
 from .client import AlgorithmClient
-from .registry import AlgorithmSpec, bind
+from .registry import AlgorithmSpec, register
 
 LOCAL_STATE_KEY = "ssfl.local"   # context.state ArrayRecord: the user's BN buffers
 
@@ -496,7 +496,7 @@ class UsersFold:
 _PAPER = "Zhang et al. 2020, Benchmarking Semi-supervised Federated Learning"
 _CLIENT = {"train": client_train}
 
-ALGORITHMS = bind({
+ALGORITHMS = register({
     "ssfl": AlgorithmSpec(
         name="ssfl", paper=_PAPER, strategy_cls=SSFLStrategy, config_cls=SSFLConfig, namespace="ssfl",
         client=_CLIENT, node_state=(LOCAL_STATE_KEY,), label_metrics=LABEL_METRICS,

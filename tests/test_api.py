@@ -41,7 +41,10 @@ MODULE = {"fedlc": "fedprox", "easgd": "elastic", "overlapsgd": "elastic", "feda
 
 
 def _client_cls(algo: str) -> type[AlgorithmClient]:
-    module = importlib.import_module(f"strategies.{MODULE.get(algo, algo)}")
+    from strategies.registry import module_of
+
+    module = importlib.import_module(module_of(algo))
+    assert module.__name__.rsplit(".", 1)[-1] == MODULE.get(algo, algo)
     return getattr(module, f"{MAIN[algo]}Client")
 
 
@@ -93,7 +96,8 @@ def test_keyword_constructors():
     assert (v.algo, v.cfg.correction, v.cfg.alpha1) == ("fed-pseudo", False, 0.0)
     with pytest.raises(ConfigError, match="correction=True contradicts algo='fed-pseudo'"):
         FedSHVRStrategy(algo="fed-pseudo", correction=True)
-    with pytest.raises(ConfigError, match="algo='ssfl' is not run by FedSHVRStrategy; it runs: fedshvr, fed-pseudo"):
+    with pytest.raises(ConfigError, match="algo='ssfl' is not run by FedSHVRStrategy; it runs: fedshvr, fed-pseudo.*; "
+                                          "algo='ssfl' is run by SSFLStrategy"):
         FedSHVRStrategy(algo="ssfl")
     with pytest.raises(TypeError, match="unexpected keyword argument.*bogus; options of algo='scala': .*local_iterations"):
         ScalaStrategy(bogus=1)
@@ -377,3 +381,91 @@ def test_every_full_model_algorithm_trains_a_users_own_model_on_the_users_data(a
         assert moved, f"{algo}: no weight of the user's model changed in two rounds"
     acc = rows[-1].get("accuracy")
     assert acc is not None and 0.0 <= acc <= 1.0
+
+
+# ----------------------------------------------------------------------- what help() and the docs say
+def test_a_wrong_algo_names_the_class_that_runs_it():
+    from strategies.fedprox import FedProxStrategy
+    from strategies.scala import CSSFLStrategy
+
+    with pytest.raises(ConfigError, match=r"algo='fedlc' is not run by FedProxStrategy; it runs: fedprox; "
+                                          r"algo='fedlc' is run by FedLCStrategy \(from strategies\.\S+ import "
+                                          r"FedLCStrategy\)"):
+        FedProxStrategy(algo="fedlc")
+    with pytest.raises(ConfigError, match="algo='scala' is not run by CSSFLStrategy; it runs: cs-sfl; "
+                                          "algo='scala' is run by ScalaStrategy"):
+        CSSFLStrategy(algo="scala")
+    with pytest.raises(ConfigError, match="algo='no-such' is not run by FedProxStrategy; it runs: fedprox; "
+                                          "the algorithms are: .*fedavg"):
+        FedProxStrategy(algo="no-such")
+
+
+def _runs_with(spec) -> dict:
+    """The algorithm config values ``spec`` runs with by default: its dataclass's defaults,
+    its fixed switches applied."""
+    import dataclasses
+
+    if spec.config_cls is None:
+        return {}
+    return {f.name: spec.overrides.get(f.name, getattr(spec.config_cls(), f.name))
+            for f in dataclasses.fields(spec.config_cls) if f.init}
+
+
+def test_each_strategy_class_signature_shows_the_defaults_it_runs_with():
+    """``help(Cls)`` and ``inspect.signature(Cls)``: ``algo`` defaults to the class's first
+    algorithm, and each option of that algorithm's config to the value that algorithm uses
+    (CS-SFL's ``server_mode='per-client'``, ``balanced_selection=True``, not SCALA's)."""
+    import inspect
+    import pydoc
+
+    from strategies.registry import algorithm_names, get_algorithm
+    from strategies.scala import CSSFLStrategy, ScalaStrategy
+
+    classes = {get_algorithm(n).strategy_cls for n in algorithm_names()}
+    for cls in classes:
+        first = next(iter(cls.specs.values()))
+        params = inspect.signature(cls).parameters
+        assert params["algo"].default == first.name, cls
+        for name, value in _runs_with(first).items():
+            assert params[name].default == value, (cls.__name__, name)
+        assert "options" in params   # (the task config's and the round policy's keywords)
+    text = pydoc.render_doc(CSSFLStrategy, renderer=pydoc.plaintext)
+    assert "algo: 'str | None' = 'cs-sfl'" in text
+    assert "server_mode='per-client'" in text and "balanced_selection=True" in text, text[:2000]
+    assert "server_mode='concat'" not in text and "balanced_selection=False" not in text
+    scala = pydoc.render_doc(ScalaStrategy, renderer=pydoc.plaintext)
+    assert "server_mode='concat'" in scala and "balanced_selection=False" in scala
+
+
+def _client_names(algo: str) -> set[str]:
+    """The public names, in the library's modules, of the client classes that serve ``algo``
+    (an ``AlgorithmClient`` subclass bound in the module whose algorithms it serves)."""
+    import sys
+
+    names = set()
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("strategies.") or mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            if (isinstance(obj, type) and issubclass(obj, AlgorithmClient) and not name.startswith("_")
+                    and obj.module == mod_name and algo in importlib.import_module(obj.module).ALGORITHMS):
+                names.add(name)
+    return names
+
+
+def test_docs_api_lists_every_algorithms_strategy_and_client_class():
+    from pathlib import Path
+
+    from strategies.registry import algorithm_names, get_algorithm
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    missing = []
+    for algo in algorithm_names():
+        spec = get_algorithm(algo)
+        clients = _client_names(algo)
+        if spec.client:
+            assert clients, f"{algo}: no client class serves it"
+        for name in {spec.strategy_cls.__name__, *clients}:
+            if f"`{name}`" not in text:
+                missing.append(f"{algo}: {name}")
+    assert missing == [], missing
