@@ -78,8 +78,29 @@ def test_fedlc_trains_under_label_skew():
     completes with every node, and the server's model is FedAvg's mean of theirs."""
     from tests.test_conformance import build
 
+    from strategies.core.records import ARRAYS_KEY, METRICS_KEY, record_to_numpy
+    from tasks.aggregate import weighted_mean
+
     s, grid = build("fedlc", partition="quantity", **{"partition-classes-per-client": 3})
+    replies = []
+    pull = grid.pull_messages
+
+    def keep(ids):   # the nodes' train replies, as the server pulls them
+        got = list(pull(ids))
+        replies.extend(r for r in got if r.metadata.message_type == "train" and not r.has_error())
+        return got
+
+    grid.pull_messages = keep
     rows = []
     s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
     assert rows[0]["participants"] == len(grid.get_node_ids()) and rows[0]["dropped"] == []
     assert np.isfinite(rows[0]["train-loss"]) and 0.0 <= rows[0]["accuracy"] <= 1.0
+    # the server's model is the num-examples-weighted mean of the nodes' models (FedAvg's rule)
+    assert len(replies) == len(grid.get_node_ids())
+    states = [record_to_numpy(r.content.array_records[ARRAYS_KEY]) for r in replies]
+    ns = [float(r.content.metric_records[METRICS_KEY]["num-examples"]) for r in replies]
+    want = weighted_mean(states, ns)
+    got = {k: v.detach().cpu().numpy() for k, v in s.model.state_dict().items()}
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -190,10 +190,35 @@ def test_one_algorithm_lookup_for_every_clientapp():
     assert algorithm_for(_msg("fedavg"), client.specs, "FedAvgClient") is client.specs["fedavg"]
     with pytest.raises(ValueError, match=r"FedAvgClient serves algo .*fedavg.*; the message asks for algo='scala'"):
         client.handle(_msg("scala"), None)
-    handle = client_app(client)
-    assert handle is not None
     with pytest.raises(ValueError, match=r"this ClientApp serves algo .*; the message asks for algo='scala'"):
         algorithm_for(_msg("scala"), {n: client for n in client.specs})
+
+    # one ClientApp for several clients: Flower routes by message type, the app by the algorithm
+    # the message names, to the client that serves it (FedProxClient serves fedprox and fedlc)
+    from flwr.app import Message
+
+    from strategies.fedprox import FedProxClient
+
+    data = {"labeled": (np.zeros((2, 1, 2, 2), np.uint8), np.zeros(2, np.int64))}
+    prox = FedProxClient(nn.Linear(2, 2), data)
+    answered = []
+    for c in (client, prox):
+        c.handle = (lambda name: lambda msg, ctx: answered.append(
+            (name, msg.content.config_records[CONFIG_KEY]["algo"])) or msg)(type(c).__name__)
+    app = client_app(client, prox)
+    grid = LocalGrid(1, dispatch)
+    node = grid.get_node_ids()[0]
+
+    def train(algo: str) -> Message:
+        return Message(RecordDict({CONFIG_KEY: ConfigRecord({"algo": algo})}), dst_node_id=node, message_type="train")
+
+    for algo in ("fedprox", "fedavg", "fedlc"):
+        app(train(algo), grid.contexts[node])
+    assert answered == [("FedProxClient", "fedprox"), ("FedAvgClient", "fedavg"), ("FedProxClient", "fedlc")]
+    with pytest.raises(ValueError, match=r"this ClientApp serves algo .*; the message asks for algo='scala'"):
+        app(train("scala"), grid.contexts[node])
+    with pytest.raises(ValueError, match="two clients serve algo='fedavg'"):
+        client_app(client, FedAvgClient(nn.Linear(2, 2), data))
 
 
 
