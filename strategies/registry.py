@@ -85,20 +85,27 @@ def signature_of(cls: type) -> inspect.Signature:
     """The constructor signature ``help(cls)`` shows: ``cls.__init__``'s, with ``algo`` defaulting
     to the class's first algorithm and that algorithm's config fields as keyword options with
     the values it runs with (the config's defaults, the variant's fixed switches applied). An
-    ``__init__(self, *args, **kwargs)`` that passes everything on shows its parent's."""
+    ``__init__(self, *args, <keywords>, **kwargs)`` that passes the rest on adds its keywords
+    to its parent's."""
+    own: list[inspect.Parameter] = []   # keywords of __init__s that pass the rest on
     for owner in cls.__mro__:
+        if "__init__" not in owner.__dict__:
+            continue
         sig = inspect.signature(owner.__init__)
         params = list(sig.parameters.values())[1:]   # (self)
-        if {p.kind for p in params} != {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        kinds = {p.kind for p in params}
+        if not {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
             break
+        own += [p for p in params if p.kind is p.KEYWORD_ONLY and p.name not in {q.name for q in own}]
     first = next(iter(cls.specs.values()))
     params = [p.replace(default=first.name) if p.name == "algo" else p for p in params]
     var_kw = [p for p in params if p.kind is p.VAR_KEYWORD]
     out = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    out += [p for p in own if p.name not in {q.name for q in out}]
     if first.config_cls is not None and var_kw:
         from tasks.config import fields_of, range_text
 
-        taken = {p.name for p in params}
+        taken = {p.name for p in out}
         cfg = first.config_cls()
         for f, typ in fields_of(first.config_cls):
             if f.init and f.name not in taken:
