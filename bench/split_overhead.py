@@ -204,7 +204,7 @@ def semisfl_config(rounds: int) -> dict:
             "num-rounds": rounds, "seed": 0, "min-nodes": 2}
 
 
-#: the ways an exchange can wait for replies (``BaseStrategy.poll_interval``): every 10 ms
+#: the ways an exchange can wait for replies (``ExchangeWindow.poll_interval``): every 10 ms
 #: throughout, backing off from the first pull, every 10 ms for the first 0.1 s after a reply
 #: then backing off, and the same with 0.4 s (the library's default)
 POLL_VARIANTS = {"fixed 10 ms": float("inf"), "backoff from the push": 0.0, "10 ms for 0.1 s, then backoff": 0.1,
@@ -215,21 +215,21 @@ def poll_variants(args, out: Path, measure, results: list) -> int:
     """The message transport's split rounds in simulation under each :data:`POLL_VARIANTS`,
     interleaved ``args.poll_variants`` times (the ServerApp runs in this process, so the class
     attribute applies to it); medians per variant, and each over the fixed poll's."""
-    from strategies.base import BaseStrategy
+    from strategies.core.exchange_window import ExchangeWindow
 
     local_folder, t = run_local(config(args), args.nodes, out)
     local = measure("in-process (LocalGrid)", local_folder, t, None, args.iters)
-    saved = BaseStrategy.POLL_FAST_SECONDS
+    saved = ExchangeWindow.POLL_FAST_SECONDS
     by = {name: [] for name in POLL_VARIANTS}
     try:
         for rep in range(args.poll_variants):
             for i, (name, fast) in enumerate(POLL_VARIANTS.items()):
-                BaseStrategy.POLL_FAST_SECONDS = fast
+                ExchangeWindow.POLL_FAST_SECONDS = fast
                 folder, t = run_sim(config(args), args.nodes, out / f"poll-{rep}-{i}", f"poll-{rep}-{i}")
                 by[name].append(measure(f"simulation, message, {name}, #{rep + 1}", folder, t, local_folder,
                                         args.iters))
     finally:
-        BaseStrategy.POLL_FAST_SECONDS = saved
+        ExchangeWindow.POLL_FAST_SECONDS = saved
     print(f"\nsplit rounds over Flower messages in simulation (scala, {args.nodes} nodes, model={args.model}, "
           f"B={args.batch}, I={args.iters}, {args.rounds} rounds), by how the exchange waits for replies; "
           f"medians over rounds 2..R, then over {args.poll_variants} interleaved runs:")
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="work folder (default: a temp dir)")
     ap.add_argument("--poll-variants", type=int, default=0, metavar="REPEATS",
                     help="instead of the above: the message transport in simulation under each way of "
-                         "waiting for replies (BaseStrategy.POLL_FAST_SECONDS), interleaved REPEATS times")
+                         "waiting for replies (ExchangeWindow.POLL_FAST_SECONDS), interleaved REPEATS times")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="split-bench-"))
     os.environ.setdefault("FLWR_HOME", str(out / "flwr-home"))

@@ -51,15 +51,15 @@ def rounds(args, port: int) -> list[tuple[float, float]]:
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from flower_apps.simulate import fused_run_config
-    from split_layer.rounds import RoundPolicy
+    from strategies.core.round_policy import RoundPolicy
     from split_layer.stream import StreamOptions
     from split_layer.transport import LocalGrid
 
     p = parse_run_config(fused_run_config([f"{BASE} scala.local-iterations={args.iters}"]))
     grid = LocalGrid(3, dispatch, threaded=True)
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=3, round_timeout=60, split_transport="stream",
-        stream=StreamOptions(session=args.session, port=port, timeout=60)))
+        min_nodes=3, round_timeout=60), split_transport="stream",
+        stream=StreamOptions(session=args.session, port=port, timeout=60))
     took: list[tuple[float, float]] = []
     t = [time.monotonic(), time.process_time()]
 

@@ -42,7 +42,7 @@ from tasks.config import ConfigError, fields_of, key_of
 
 
 def _split_algorithms() -> list[str]:
-    from strategies.base import SplitStrategy
+    from strategies.split_base import SplitStrategy
     from strategies.registry import algorithm_names, get_algorithm
 
     return [n for n in algorithm_names() if issubclass(get_algorithm(n).strategy_cls, SplitStrategy)]
@@ -74,7 +74,7 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
     from flower_apps.config import parse_run_config
     from flower_apps.results import CONFIG, RunFolder, atomic_write_bytes
     from split_layer.cut import split_model
-    from strategies.base import SplitStrategy
+    from strategies.split_base import SplitStrategy
     from tasks.env import load_bundle, make_augmenter
     from tasks.inversion import attack, attack_config
     from tasks.models import build_model

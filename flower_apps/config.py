@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from strategies.core.round_policy import RoundPolicy
+from split_layer.split_policy import SplitPolicy
 from split_layer.stream_options import StreamOptions, stream_knobs
 from strategies.registry import (
     AlgorithmSpec,
@@ -59,7 +60,7 @@ class AppConfig:
     results_dir: str = knob("results", help="parent folder of run folders; relative paths resolve against $FLOWER_SSL_HOME, else the ServerApp working directory (the folder the local SuperLink was started from)")
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")
-    split_transport: str = knob_of(RoundPolicy, "split_transport")
+    split_transport: str = knob_of(SplitPolicy, "split_transport")
     system: str = knob_of(RoundPolicy, "system")
     # the split-stream-* keys: StreamOptions' knobs (their defaults, allowed values, help and rules)
     split_stream_host: str = knob_of(StreamOptions, "host")
@@ -76,11 +77,13 @@ class AppConfig:
                              **{f.name: getattr(self, STREAM_FIELD + f.name) for f, _ in stream_knobs()})
 
     def policy(self) -> RoundPolicy:
-        """The round policy these keys choose (every :class:`RoundPolicy` field of the same name,
-        the stream's options)."""
-        names = {f.name for f, _ in fields_of(RoundPolicy)} - {"stream"}
-        return RoundPolicy(**{n: getattr(self, n) for n in names if hasattr(self, n)},
-                           stream=self.stream_options())
+        """The round policy these keys choose (every :class:`RoundPolicy` field of the same name)."""
+        names = {f.name for f, _ in fields_of(RoundPolicy)}
+        return RoundPolicy(**{n: getattr(self, n) for n in names if hasattr(self, n)})
+
+    def split_policy(self) -> SplitPolicy:
+        """A split algorithm's options these keys choose: ``split-transport`` and the stream's."""
+        return SplitPolicy(split_transport=self.split_transport, stream=self.stream_options())
 
     def validate(self) -> None:
         if self.algo not in algorithm_names():
@@ -93,8 +96,9 @@ class AppConfig:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         # system: a preset, a readable TOML file, or none (else a ConfigError naming the key); its rule
-        # with split-transport is the round policy's (one place)
-        RoundPolicy(system=self.system, split_transport=self.split_transport).validate()
+        # with split-transport is the split policy's (one place)
+        RoundPolicy(system=self.system).validate()
+        SplitPolicy(split_transport=self.split_transport).check_with(self.system)
         if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run-name={self.run_name!r} must be a plain folder name (no '/'); "
                               f"put the parent folder in results-dir")
@@ -140,7 +144,7 @@ def parse_run_config(raw: dict[str, Any], explicit: Iterable[str] | None = None)
             parse_dataclass(spec.config_cls, flat, ns)
     spec = get_algorithm(app.algo)
     if app.split_transport == "stream":
-        from strategies.base import SplitStrategy
+        from strategies.split_base import SplitStrategy
 
         if not issubclass(spec.strategy_cls, SplitStrategy):
             split_algos = [n for n in algorithm_names() if issubclass(get_algorithm(n).strategy_cls, SplitStrategy)]

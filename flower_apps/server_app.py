@@ -66,7 +66,9 @@ def run(grid: Grid, run_config: dict, explicit: set[str] | None = None) -> Path:
     name = app_cfg.run_name or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = RunFolder(resolve_results_dir(app_cfg.results_dir) / name)
 
-    strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, app_cfg.policy())
+    from strategies.split_base import SplitStrategy
+    split = {"split": app_cfg.split_policy()} if issubclass(spec.strategy_cls, SplitStrategy) else {}
+    strategy = spec.strategy_cls(parsed.task, parsed.algo, spec.name, app_cfg.policy(), **split)
     try:
         strategy.setup(grid)  # waits for min-nodes, partitions the data over the nodes seen
     except ConfigError as e:

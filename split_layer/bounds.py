@@ -9,9 +9,9 @@ shape, dtype, NaN/Inf and label range).
   that multiplies its activations by 100 is refused from the first step it does so, the others
   train on. Before the run has history (its first step) the reference is the step's own
   median, which outvotes one node only where at least three nodes take part.
-* :func:`update_norm` -- the L2 norm of an uploaded state's difference from a reference state
-  (the model the server holds: ``upload-norm-bound`` on full-model uploads and on a split
-  node's final bottom).
+* The L2 norm of an uploaded state's difference from a reference state (``upload-norm-bound``
+  on full-model uploads and on a split node's final bottom) is the core's:
+  :func:`strategies.core.round_guard.update_norm`.
 
 What this does not defend against: several colluding nodes that make up the majority of a step
 (or of the history window), a node that scales its activations by less than ``payload-bound``,
@@ -26,7 +26,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["StreamBounds", "rms", "update_norm"]
+__all__ = ["StreamBounds", "rms"]
 
 
 def rms(x: np.ndarray) -> float:
@@ -35,19 +35,6 @@ def rms(x: np.ndarray) -> float:
     if a.size == 0:
         return 0.0
     return float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))
-
-
-def update_norm(upload: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
-    """L2 norm of ``upload - reference`` over the float entries both hold with the same shape."""
-    total = 0.0
-    for k, v in upload.items():
-        ref = reference.get(k)
-        a = np.asarray(v)
-        if ref is None or not np.issubdtype(a.dtype, np.floating) or a.shape != np.shape(ref):
-            continue
-        d = a.astype(np.float64) - np.asarray(ref, dtype=np.float64)
-        total += float(np.sum(d * d))
-    return float(np.sqrt(total))
 
 
 class StreamBounds:

@@ -224,7 +224,7 @@ def cut_cost(model: torch.nn.Module, cut: Any, input_shape: tuple[int, ...], bat
     labels and the gradients it downloads; per round, the bottom's weights down and up (BatchNorm
     buffers included) over ``iterations`` iterations; the bottom's and the full model's FLOPs per
     iteration, forward only and forward + backward (torch's FLOP counter,
-    :func:`tasks.system.module_flops`). Bytes as :func:`split_layer.rounds.array_bytes` counts
+    :func:`tasks.system.module_flops`). Bytes as :func:`strategies.core.byte_meter.array_bytes` counts
     them (elements x item size)."""
     from tasks.system import module_flops
 

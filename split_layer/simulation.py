@@ -1,8 +1,6 @@
-"""Flower's simulation engine, as seen from inside the library: whether this process runs in
-it (:func:`in_simulation`), and how many ClientApps it runs at once (:func:`simulation_concurrency`).
-
-Ray is never imported here: the engine has imported and initialised it in every process it
-runs a ClientApp (or the ServerApp) in, so its presence in ``sys.modules`` is the test.
+"""How many ClientApps Flower's simulation engine runs at once (:func:`simulation_concurrency`),
+seen from inside a ClientApp (whether it runs in the engine at all is the core's one test,
+:mod:`strategies.core.simulation`).
 
 The stream transport needs all sampled clients of a round running at once (they wait on one
 another at every iteration). Each node reports in its one-time ``split-info`` reply how many
@@ -14,23 +12,10 @@ ClientApps the simulation runs concurrently (Ray actor pool and Flower's worker 
 from __future__ import annotations
 
 import os
-import sys
 
-__all__ = ["in_simulation", "simulation_concurrency", "concurrency_error"]
+from strategies.core.simulation import ray_module
 
-
-def _ray():
-    """The Ray module when this process runs in Flower's simulation engine (Ray imported and
-    initialised), else None; never imports Ray itself."""
-    ray = sys.modules.get("ray")
-    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
-        return None
-    return ray
-
-
-def in_simulation() -> bool:
-    """True inside Flower's simulation engine (a Ray worker); never imports Ray itself."""
-    return _ray() is not None
+__all__ = ["simulation_concurrency", "concurrency_error"]
 
 
 def simulation_concurrency() -> tuple[int, int]:
@@ -41,7 +26,7 @@ def simulation_concurrency() -> tuple[int, int]:
     ``min(32, os.cpu_count() + 4)`` of them: at most ``min(actors, threads)`` ClientApps run
     at once.
     """
-    ray = _ray()
+    ray = ray_module()
     if ray is None:
         return 0, 0
     try:

@@ -14,7 +14,7 @@ from logging import INFO, WARNING
 from flwr.app import Message
 from flwr.common import log
 
-from .records import CONFIG_KEY, query
+from strategies.core.records import CONFIG_KEY, query
 from .simulation import concurrency_error
 from .stream_frames import (
     DEFAULT_MAX_FRAME,
@@ -31,7 +31,7 @@ from .stream_frames import (
     pack_arrays,
     unpack_arrays,
 )
-from .rounds import array_bytes
+from strategies.core.byte_meter import array_bytes
 from .stream_options import StreamOptions
 from .stream_guard import FloodBans
 from .stream_server import _Server

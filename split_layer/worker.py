@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from split_layer.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_record
+from strategies.core.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_record
 from tasks.data import ArrayDataset
 from tasks.env import Env
 from tasks.training import batch_at, derive_seed, make_sgd, seeded, seeded_perms, to_device_batch
@@ -75,6 +75,7 @@ from .stream import (
     unpack_arrays,
 )
 from .simulation import simulation_concurrency
+from .split_info import HISTOGRAM_KEY
 from .transport import Envelope, envelope_from_message, reply
 from .validation import SplitValidationError, TensorSpec, check_tensor
 
@@ -255,7 +256,8 @@ class SplitWorker:
 
     # ------------------------------------------------------------------ entry points
     def info(self, msg: Message, context: Context) -> Message:
-        """``split-info``: partition id, ``|D_k|``, label histogram (once per node and run)."""
+        """``split-info``: partition id, ``|D_k|``, and the label histogram where the server asks
+        for it (once per node and run)."""
         with COMPUTE_LOCK:  # model building draws from the global RNG
             w = self.worker(msg, context, dict(msg.content.config_records[CONFIG_KEY]))
             return reply(msg, self.info_envelope(w))
@@ -285,9 +287,11 @@ class SplitWorker:
 
     def info_envelope(self, w: Worker) -> Envelope:
         data = self.hooks.data(w)
-        hist = np.asarray(self.hooks.label_histogram(w, data), dtype=np.int64)
+        tensors = {}
+        if w.config.get(HISTOGRAM_KEY):   # only an algorithm that uses it asks (split_layer.split_info)
+            tensors["histogram"] = np.asarray(self.hooks.label_histogram(w, data), dtype=np.int64)
         actors, threads = simulation_concurrency()
-        return Envelope(tensors={"histogram": hist},
+        return Envelope(tensors=tensors,
                         config={"partition-id": w.partition, "num-partitions": w.env.num_partitions,
                                 "num-examples": int(len(data)),
                                 "sim-actors": actors, "sim-threads": threads, **self.hooks.info(w)})

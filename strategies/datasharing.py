@@ -58,7 +58,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,

@@ -22,7 +22,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,

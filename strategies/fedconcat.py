@@ -85,7 +85,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from torch import nn
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,

@@ -103,7 +103,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message
 
-from split_layer.records import algo_config
+from strategies.core.records import algo_config
 from tasks.config import knob
 from tasks.data import ArrayDataset
 from tasks.env import Env

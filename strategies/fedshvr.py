@@ -107,7 +107,7 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 
-from split_layer.records import (
+from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,

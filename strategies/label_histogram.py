@@ -31,7 +31,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from split_layer.records import CONFIG_KEY, client_env, node_info, numpy_to_record, query
+from strategies.core.records import CONFIG_KEY, client_env, node_info, numpy_to_record, query
 from tasks.config import ConfigError
 from tasks.training import derive_seed
 

@@ -41,8 +41,8 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 from flwr.common import log
 
-from split_layer.records import numpy_to_record
-from split_layer.simulation import in_simulation
+from strategies.core.records import numpy_to_record
+from strategies.core.simulation import in_simulation
 
 STATE_DIR_KEY = "state-dir"            # node config
 STATE_DIR_ENV = "FLOWER_SSL_STATE_DIR"

@@ -117,7 +117,7 @@ from flwr.common import log
 from logging import WARNING
 
 from split_layer.cut import load_top_state, top_state_keys
-from .base import SplitStrategy
+from .split_base import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.validation import SplitValidationError, TensorSpec, check_streams
 from split_layer.worker import SplitClientHooks, Worker, _load_opt, _save_opt, make_split_handlers
@@ -195,6 +195,11 @@ class ScalaStrategy(SplitStrategy):
     """SCALA and its switches over the split runtime (see module docstring)."""
 
     label_mode = "all"
+    asks_histogram = True   # SCALA's priors P_s, P_k and CS-SFL's selection use the nodes' label histograms
+
+    def histogram(self, node: int) -> np.ndarray:
+        """``node``'s label histogram n_k (its one-time ``split-info`` reply)."""
+        return self.directory[node]["hist"]
 
     def setup_split(self) -> None:
         c = self.cfg
@@ -217,7 +222,7 @@ class ScalaStrategy(SplitStrategy):
     # ------------------------------------------------------------------ round hooks
     def begin_round(self, server_round: int, nodes: list[int]) -> None:
         self._round = server_round
-        shares = batch_shares([self.num_examples(n) for n in nodes], self.cfg.total_batch,
+        shares = batch_shares([self.directory[n]["n"] for n in nodes], self.cfg.total_batch,
                               min_share=2 if self.has_batchnorm else 1)
         self.round_batch = dict(zip(nodes, shares))
         self._losses = []
@@ -388,7 +393,7 @@ class ScalaStrategy(SplitStrategy):
             nodes = self.order(finals)
             states = [{k: v.detach().cpu().numpy() for k, v in self.copies[n][0].state_dict().items()}
                       for n in nodes]
-            new = weighted_mean(states, [float(self.num_examples(n)) for n in nodes])
+            new = weighted_mean(states, [float(self.directory[n]["n"]) for n in nodes])
             load_top_state(self.model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in new.items()},
                            self.cut)
             self.copies = {}
@@ -398,11 +403,12 @@ class ScalaStrategy(SplitStrategy):
             out["sampled-qcid"] = self.round_qcid
         return out
 
-    def split_extra_state(self) -> dict[str, Any]:
-        return {"server-optimizer": self.opt.state_dict(),
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "server-optimizer": self.opt.state_dict(),
                 "selections": {int(p): int(c) for p, c in self.selections.items()}}
 
-    def load_split_extra_state(self, state: dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
         if "server-optimizer" in state:
             self.opt.load_state_dict(state["server-optimizer"])
         self.selections = {int(p): int(c) for p, c in state.get("selections", {}).items()}
@@ -530,7 +536,7 @@ class SFLLocalLossStrategy(ScalaStrategy):
                 log(WARNING, "round %s: %s; its bottom is averaged, its head is not", server_round, e)
                 continue
             heads.append(finals[n].arrays[AUX_HEAD])
-            weights.append(float(self.num_examples(n)))
+            weights.append(float(self.directory[n]["n"]))
             if "aux-loss" in finals[n].metrics:
                 losses.append(float(finals[n].metrics["aux-loss"]))
         if heads:
@@ -539,11 +545,11 @@ class SFLLocalLossStrategy(ScalaStrategy):
         out["client-loss"] = float(np.mean(losses)) if losses else float("nan")
         return out
 
-    def split_extra_state(self) -> dict[str, Any]:
-        return {**super().split_extra_state(), AUX_HEAD: {k: v.copy() for k, v in self.aux_state.items()}}
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), AUX_HEAD: {k: v.copy() for k, v in self.aux_state.items()}}
 
-    def load_split_extra_state(self, state: dict[str, Any]) -> None:
-        super().load_split_extra_state(state)
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
         if AUX_HEAD in state:
             self.aux_state = {k: np.asarray(v, dtype=np.float32).copy() for k, v in state[AUX_HEAD].items()}
 

@@ -79,7 +79,7 @@ from flwr.app import Array, ArrayRecord
 from torch import nn
 
 from split_layer.cut import feature_shape, split_model
-from split_layer.records import algo_config
+from strategies.core.records import algo_config
 from split_layer.transport import Envelope
 from split_layer.worker import SplitClientHooks, Worker, make_split_handlers
 from tasks.config import ConfigError, knob

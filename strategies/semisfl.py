@@ -100,7 +100,7 @@ import torch.nn as nn
 from flwr.app import ConfigRecord
 
 from split_layer.cut import bottom_state, feature_shape, load_bottom_state, resolve_cut, split_model
-from split_layer.records import algo_config, label_consent, model_to_record, numpy_to_record
+from strategies.core.records import algo_config, label_consent, model_to_record, numpy_to_record
 from split_layer.transport import Envelope
 from split_layer.validation import TensorSpec
 from split_layer.worker import SplitClientHooks, Worker, make_split_handlers
@@ -119,7 +119,7 @@ from tasks.semisfl_server import (  # the PS's plain-torch core; names re-export
 )
 from tasks.training import derive_seed, make_sgd
 
-from .base import SplitStrategy
+from .split_base import SplitStrategy
 from .client import AlgorithmClient
 from .registry import AlgorithmSpec, register
 
@@ -309,10 +309,11 @@ class SemiSFLStrategy(SplitStrategy):
         return {"student": self.model}
 
     # ------------------------------------------------------------------ checkpoints
-    def split_extra_state(self) -> dict[str, Any]:
-        return {"semisfl": self.core.state_dict()}
+    def extra_state(self) -> dict[str, Any]:
+        return {**super().extra_state(), "semisfl": self.core.state_dict()}
 
-    def load_split_extra_state(self, state: dict[str, Any]) -> None:
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        super().load_extra_state(state)
         if "semisfl" in state:
             self.core.load_state_dict(state["semisfl"])
 

@@ -77,7 +77,7 @@ class ScaleUploads:
     def __call__(self, msg, context):
         import numpy as np
 
-        from split_layer.records import numpy_to_record, record_to_numpy
+        from strategies.core.records import numpy_to_record, record_to_numpy
 
         if self.handler is None:
             from flower_apps.client_app import dispatch as handler

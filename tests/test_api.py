@@ -15,7 +15,7 @@ from torch import nn
 
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.client import AlgorithmClient, client_app
 from tasks.config import ConfigError
@@ -258,7 +258,7 @@ def test_an_app_that_embeds_a_strategy_logs_one_progress_line_per_round(caplog):
 
 
 def test_the_progress_line_names_the_loss_it_has_and_never_prints_a_missing_one_as_nan():
-    from strategies.base import progress_line
+    from strategies.core.round_loop import progress_line
     assert " | loss 0.5000 | " in progress_line(1, 2, {"accuracy": 0.9, "loss": 0.5}, 1.0, 1)
     line = progress_line(1, 2, {"accuracy": 0.4, "train-loss": 1.25}, 1.0, 1)   # a personalised row
     assert " | train-loss 1.2500 | " in line and "nan" not in line, line
@@ -430,12 +430,11 @@ def test_each_strategy_class_signature_shows_the_defaults_it_runs_with():
             assert params[name].default == value, (cls.__name__, name)
         assert "options" in params   # (the task config's and the round policy's keywords)
     text = pydoc.render_doc(CSSFLStrategy, renderer=pydoc.plaintext)
-    mode = "server_mode: 'str, one of concat, per-client, sequential, local-loss' = "
     assert "algo: 'str | None' = 'cs-sfl'" in text
-    assert mode + "'per-client'" in text and "balanced_selection: 'bool' = True" in text, text[:2000]
-    assert mode + "'concat'" not in text and "balanced_selection: 'bool' = False" not in text
+    assert "server_mode='per-client'" in text and "balanced_selection=True" in text, text[:2000]
+    assert "server_mode='concat'" not in text and "balanced_selection=False" not in text
     scala = pydoc.render_doc(ScalaStrategy, renderer=pydoc.plaintext)
-    assert mode + "'concat'" in scala and "balanced_selection: 'bool' = False" in scala
+    assert "server_mode='concat'" in scala and "balanced_selection=False" in scala
 
 
 def _client_names(algo: str) -> set[str]:

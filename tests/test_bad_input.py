@@ -205,7 +205,7 @@ def test_simulate_cli_reports_and_exits_2(capsys):
 class CountingGrid:
     """A Grid stand-in with ``n`` connected nodes that answer the one query a run asks before it
     trains (``node-info``, or a split node's ``split-info``: their partition and
-    ``num-partitions``, strategies.partition_count) and
+    ``num-partitions``, strategies.core.partition_count) and
     count every other message pushed (none may be: training would have started)."""
 
     def __init__(self, n: int) -> None:
@@ -230,7 +230,7 @@ class CountingGrid:
 
 def _node_info_only(msg, context):
     from flower_apps.client_app import dispatch
-    from split_layer.records import action_of
+    from strategies.core.records import action_of
 
     if action_of(msg) not in ("node-info", "split-info"):
         raise AssertionError(f"only the partition query is answered, not {action_of(msg)}")
@@ -284,7 +284,7 @@ def test_supernode_without_node_config():
     from flwr.common.constant import SUPERLINK_NODE_ID  # noqa: F401  (TaskIdentity set below)
     from flwr.supercore.task_identity import TaskIdentity
 
-    from split_layer.records import TASK_KEY, client_env, task_record
+    from strategies.core.records import TASK_KEY, client_env, task_record
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 1
     msg = Message(RecordDict({TASK_KEY: task_record(TaskConfig()), "config": ConfigRecord({"algo": "fedavg"})}),
@@ -308,7 +308,7 @@ def test_node_data_path_overrides_the_dataset_location(tmp_path):
     from flwr.app import ConfigRecord, Message
     from flwr.supercore.task_identity import TaskIdentity
 
-    from split_layer.records import TASK_KEY, client_env, task_record
+    from strategies.core.records import TASK_KEY, client_env, task_record
     from tasks.env import load_bundle
 
     rng = np.random.default_rng(0)
@@ -334,7 +334,7 @@ def test_node_data_path_overrides_the_dataset_location(tmp_path):
 def test_drop_warning_names_the_real_exception_of_a_simulated_clientapp():
     """Flower's simulation engine wraps a ClientApp's exception in ClientAppException around
     Ray's traceback; the drop warning shows the exception the ClientApp raised, in full."""
-    from split_layer.rounds import describe_error
+    from strategies.core.records import describe_error
 
     frames = "".join(f'  File "/site-packages/mod{i}.py", line {i}, in f{i}\n    call_{i}()\n' for i in range(30))
     reason = ("<class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException ClientAppException "

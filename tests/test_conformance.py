@@ -35,8 +35,8 @@ import torch
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.records import numpy_to_record
-from split_layer.rounds import RoundPolicy
+from strategies.core.records import numpy_to_record
+from strategies.core.round_policy import RoundPolicy
 from strategies.registry import algorithm_names
 from tasks import env as task_env
 from tasks.training import evaluate, load_numpy_state
@@ -81,7 +81,7 @@ def run(s, grid, rounds: int = 2, **kw):
 
 
 def op_of(msg) -> str:
-    from split_layer.records import action_of
+    from strategies.core.records import action_of
     return action_of(msg)
 
 
@@ -103,7 +103,7 @@ def _fresh_plan_cache():
 # ----------------------------------------------------------------------------------- conditions
 @pytest.mark.parametrize("algo", ALGOS)
 def test_conformance_all_nodes_result(algo, monkeypatch):
-    from split_layer.records import LABEL_CONSENT_ENV
+    from strategies.core.records import LABEL_CONSENT_ENV
     from strategies.registry import get_algorithm
 
     monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)

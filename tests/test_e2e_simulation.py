@@ -35,7 +35,7 @@ def test_partial_participation_samples_the_same_partitions_whatever_the_node_ids
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from flower_apps.simulate import fused_run_config
-    from split_layer.rounds import RoundPolicy
+    from strategies.core.round_policy import RoundPolicy
     from split_layer.transport import LocalGrid
     from tests.faulty_grid import RecordingGrid
 

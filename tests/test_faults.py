@@ -203,7 +203,7 @@ class _Grid:
 
 
 def test_exchange_drops_error_and_missing_replies():
-    from split_layer.rounds import RoundPolicy
+    from strategies.core.round_policy import RoundPolicy
     from strategies.base import BaseStrategy
     from tasks.config import TaskConfig
 

@@ -114,7 +114,7 @@ def _record_samples(s) -> dict[int, list[int]]:
 def test_sampling_is_seeded_by_partition_and_varies_over_rounds():
     """The same seed chooses the same partitions whatever the node ids; other rounds choose other
     sets; each node is asked for its histogram once, and its bytes are counted."""
-    from split_layer.records import action_of
+    from strategies.core.records import action_of
 
     s1, g1 = _quantity()
     seen1 = _record_samples(s1)
@@ -190,7 +190,7 @@ def test_resume_restores_the_selection_counts_and_draws():
 def test_a_node_without_a_histogram_is_sampled_only_to_fill(caplog):
     """One node fails the histogram query: it is logged, never chosen while enough nodes have a
     histogram; when too few do, the round fills up uniformly, with a warning."""
-    from split_layer.records import action_of
+    from strategies.core.records import action_of
     from tests.faulty_grid import inject_failures
 
     s, grid = _quantity()

@@ -176,7 +176,7 @@ def test_stage_switch_and_each_stages_aggregation_rule():
     """encoder-rounds = 2 of 3: rounds 1-2 send each node its cluster's model and average the
     replies within each cluster weighted by n_k; round 3 sends the frozen encoders and the head
     and sets the head to the plain mean of the replies' heads; the encoders do not move."""
-    from split_layer.records import action_of, record_to_numpy
+    from strategies.core.records import action_of, record_to_numpy
 
     s, grid = _build(partition="quantity", **{"partition-classes-per-client": 3, "fedconcat.clusters": 2,
                                                "fedconcat.encoder-rounds": 2})
@@ -263,7 +263,7 @@ def test_default_stage_switch_is_half_the_run_and_histograms_are_the_nodes_label
 
 
 def test_laplace_noise_on_the_label_distribution_is_seeded_and_off_by_default():
-    from split_layer.records import CONFIG_KEY, query
+    from strategies.core.records import CONFIG_KEY, query
 
     def ask(eps: float):
         s, grid = _build(**{"fedconcat.label-noise-eps": eps})

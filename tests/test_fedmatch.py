@@ -242,7 +242,7 @@ def test_helpers_travel_in_helper_rounds_and_are_the_nearest_clients(monkeypatch
     the psi of its 2 nearest other clients by the embeddings the server computed in round 1,
     counted as ``bytes.helpers.down``; the psi upload is counted as ``psi-sparse``. With the
     nodes' consent their pseudo-label counts reach the server."""
-    from split_layer.records import LABEL_CONSENT_ENV
+    from strategies.core.records import LABEL_CONSENT_ENV
     from strategies.fedmatch import HELPERS_KEY
 
     monkeypatch.setenv(LABEL_CONSENT_ENV, "1")

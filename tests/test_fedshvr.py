@@ -13,11 +13,11 @@ import torch
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from split_layer.records import (
+from strategies.core.records import (
     CONFIG_KEY,
     record_to_numpy,
 )
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies import fedshvr as fs
 from strategies.registry import get_algorithm

@@ -13,7 +13,7 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 from torch import nn
 
-from split_layer.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
+from strategies.core.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
 from tasks.config import ConfigError
 from tasks.data import ArrayDataset
 from tasks.fedswitch_rule import choose_source, fedswitch_step, mean_confidence, server_steps

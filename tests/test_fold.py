@@ -12,8 +12,8 @@ from flwr.app import MetricRecord, RecordDict
 
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
-from split_layer.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
-from split_layer.rounds import RoundPolicy
+from strategies.core.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_names, get_algorithm
 from tasks.aggregate import RunningFedNova, RunningWeightedMean, fednova_aggregate, weighted_mean
@@ -146,23 +146,30 @@ def test_auto_window_in_a_simulation_and_in_a_deployment(monkeypatch):
     s, _ = _build("fedavg", 0)
     monkeypatch.setattr("os.cpu_count", lambda: 3)
 
-    class InMemoryGrid:   # (Flower's simulation engine's grid, by name)
-        pass
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid as FlowerInMemoryGrid
+
+    class InMemoryGrid(FlowerInMemoryGrid):   # (Flower's simulation engine's grid)
+        def __init__(self):
+            pass
 
     class GrpcGrid:
         pass
 
-    assert s.in_flight(InMemoryGrid(), 1000) == 6 and s.in_flight(LocalGrid(2, dispatch), 1000) == 6
-    assert s.in_flight(GrpcGrid(), 1000) == 1000
+    class LookAlike:   # a grid named as the engine's is not one (no detection by class name)
+        pass
+    LookAlike.__name__ = "InMemoryGrid"
+
+    assert s.window.in_flight(InMemoryGrid(), 1000) == 6 and s.window.in_flight(LocalGrid(2, dispatch), 1000) == 6
+    assert s.window.in_flight(GrpcGrid(), 1000) == 1000 and s.window.in_flight(LookAlike(), 1000) == 1000
     # fast ClientApps: the replies of a quarter second at the rate seen so far (the engine's 0.1 s
     # intake, plus its scan)
-    assert s.in_flight(InMemoryGrid(), 1000, replies_per_second=100.0) == 25
-    assert s.in_flight(InMemoryGrid(), 1000, replies_per_second=2.0) == 6
+    assert s.window.in_flight(InMemoryGrid(), 1000, replies_per_second=100.0) == 25
+    assert s.window.in_flight(InMemoryGrid(), 1000, replies_per_second=2.0) == 6
     # min-nodes does not widen it: every instruction out at once slows Flower's engine's scans
     s.policy.min_nodes = 1000
-    assert s.in_flight(InMemoryGrid(), 1000) == 6
+    assert s.window.in_flight(InMemoryGrid(), 1000) == 6
     s.policy.max_in_flight = 5
-    assert s.in_flight(GrpcGrid(), 1000) == 5
+    assert s.window.in_flight(GrpcGrid(), 1000) == 5
 
 
 def test_folded_replies_are_let_go():
@@ -276,14 +283,15 @@ def test_an_exchange_pulls_less_often_the_longer_it_waits():
     from flwr.app import Message
 
     s, _ = _build("fedavg", 0)
-    assert s.POLL_FAST_SECONDS == 0.4 and s.POLL_MAX_SECONDS == 0.1
-    assert s.poll_interval(0.39, 0.01) == 0.01 and s.poll_interval(0.5, 0.01) == 0.1
-    assert s.poll_interval(30.0, 0.01) == 0.1 and s.poll_interval(0.5, 0.2) == 0.2   # never under `poll`
+    w = s.window
+    assert w.POLL_FAST_SECONDS == 0.4 and w.POLL_MAX_SECONDS == 0.1
+    assert w.poll_interval(0.39, 0.01) == 0.01 and w.poll_interval(0.5, 0.01) == 0.1
+    assert w.poll_interval(30.0, 0.01) == 0.1 and w.poll_interval(0.5, 0.2) == 0.2   # never under `poll`
 
     def echo(msg, ctx):
         return Message(RecordDict({METRICS_KEY: MetricRecord({"x": 1.0})}), reply_to=msg)
 
-    for delay, most_pulls, late in ((3.0, 90, s.POLL_MAX_SECONDS), (0.2, 30, 0.01), (0.3, 40, 0.01), (0.02, 10, 0.01)):
+    for delay, most_pulls, late in ((3.0, 90, w.POLL_MAX_SECONDS), (0.2, 30, 0.01), (0.3, 40, 0.01), (0.02, 10, 0.01)):
         grid = _Slow(2, echo, delay=delay)
         got = []
         t0 = time.time()

@@ -13,8 +13,8 @@ import pytest
 
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
-from split_layer.records import LABEL_CONSENT_ENV, LABEL_CONSENT_KEY, label_consent
-from split_layer.rounds import RoundPolicy
+from strategies.core.records import LABEL_CONSENT_ENV, LABEL_CONSENT_KEY, label_consent
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.registry import algorithm_names, get_algorithm
 from tests.test_conformance import LABEL_DERIVED_SERVER_SIDE as SERVER_SIDE

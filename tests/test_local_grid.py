@@ -7,8 +7,8 @@ import weakref
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
-from split_layer.records import query
-from split_layer.rounds import describe_error
+from strategies.core.records import query
+from strategies.core.records import describe_error
 from split_layer.transport import LocalGrid
 from tests.faulty_grid import INJECTED, FaultyGrid, RecordingGrid, inject_failures
 

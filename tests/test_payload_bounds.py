@@ -1,4 +1,4 @@
-"""What a node uploads is held to what the run has seen (split_layer.bounds, strategies.round_guard):
+"""What a node uploads is held to what the run has seen (split_layer.bounds, strategies.core.round_guard):
 one authenticated node with well-formed but scaled payloads is dropped, the others train, and a
 round whose loss diverges is not applied."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
-from split_layer.bounds import StreamBounds, rms, update_norm
-from split_layer.records import METRICS_KEY
-from split_layer.rounds import RoundPolicy
+from split_layer.bounds import StreamBounds, rms
+from strategies.core.round_guard import update_norm
+from strategies.core.records import METRICS_KEY
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from tests.split_faults import ScaleUploads
 from tests.test_conformance import _fresh_plan_cache  # noqa: F401 (autouse: each test plans afresh)

@@ -1,6 +1,6 @@
 """The start of a run: the partition count is what the nodes state, not who connected first
-(strategies.partition_count), and a node's reply is due from when its instruction was sent,
-with a start-up allowance for its first one (strategies.deadlines). Time is a clock the tests
+(strategies.core.partition_count), and a node's reply is due from when its instruction was sent,
+with a start-up allowance for its first one (strategies.core.deadlines). Time is a clock the tests
 drive (no real sleeping, no verdict that depends on the machine's speed)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from tasks.config import ConfigError
 from tests.test_conformance import _fresh_plan_cache  # noqa: F401 (autouse: each test plans afresh)

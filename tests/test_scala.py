@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from strategies.registry import get_algorithm
 from strategies.scala import ScalaStrategy, batch_shares
 from tasks.config import ConfigError
@@ -274,7 +274,7 @@ def _v2_run(extra: str = "", transport: str = "message", min_nodes: int = 2, rou
     p = _v2_parsed(extra)
     grid = RecordingGrid(V2_K, handler or dispatch, threaded=transport == "stream")   # the stream needs threads
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=min_nodes, round_timeout=30, split_transport=transport))
+        min_nodes=min_nodes, round_timeout=30), split_transport=transport)
     rows = []
     s.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()

@@ -13,7 +13,7 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.cut import split_model
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from strategies.scala_pe import (
     SimulatedInverter,
@@ -184,8 +184,8 @@ def _run(algo: str, extra: str = "", transport: str = "message"):
                             f"lr=0.05 momentum=0.9 num-rounds={ROUNDS} fraction-train=1.0 min-nodes=2 {extra}"])
     p = parse_run_config(raw)
     grid = LocalGrid(K, dispatch, threaded=transport == "stream")
-    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60,
-                                                                      split_transport=transport))
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(min_nodes=2, round_timeout=60),
+                            split_transport=transport)
     rows: list[dict] = []
     s.start(grid, num_rounds=ROUNDS, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from split_layer.records import ARRAYS_KEY, METRICS_KEY
+from strategies.core.records import ARRAYS_KEY, METRICS_KEY
 from tasks.data import ArrayDataset
 from tasks.semifl_losses import (
     ClippedSGD,
@@ -275,7 +275,7 @@ def test_bad_knob_values_name_the_key():
 def test_fix_set_accuracy_only_with_the_nodes_consent(monkeypatch):
     """fix-correct (pseudo-labels against the hidden labels) leaves a node only with its consent;
     the server turns it into pseudo-label-accuracy = correct / fix-size over the consenting nodes."""
-    from split_layer.records import LABEL_CONSENT_ENV, LABEL_CONSENT_KEY
+    from strategies.core.records import LABEL_CONSENT_ENV, LABEL_CONSENT_KEY
     from tests.test_conformance import build, run
 
     monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)

@@ -16,7 +16,7 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer import stream as stream_mod
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.stream import StreamOptions
 from split_layer.transport import LocalGrid
 from strategies.semisfl import PL_COUNTS
@@ -48,7 +48,7 @@ def run(transport: str, monkeypatch, node_config: dict | None = None):
     monkeypatch.setattr(stream_mod.StreamClient, "send", send)
     grid = LocalGrid(K, spy, run_config=cfg, threaded=transport == "stream", node_config=node_config)
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=K, round_timeout=30, split_transport=transport, stream=StreamOptions()))
+        min_nodes=K, round_timeout=30), split_transport=transport, stream=StreamOptions())
     rows = []
     s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()

@@ -13,7 +13,7 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.cut import bottom_state, bottom_state_keys, feature_shape, load_bottom_state, split_model
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from split_layer.worker import batch_seed, forward_seed
 from strategies.registry import get_algorithm
@@ -42,7 +42,7 @@ def _run(algo: str, transport: str = "message", strategy_cls=None, extra: str = 
     p = _parsed(algo, extra)
     grid = LocalGrid(nodes, dispatch, threaded=transport == "stream")
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=2, round_timeout=30, split_transport=transport, fraction_train=fraction))
+        min_nodes=2, round_timeout=30, fraction_train=fraction), split_transport=transport)
     rows: list[dict] = []
     s.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()
@@ -236,9 +236,9 @@ def test_cs_sfl_run_samples_balanced_sets_and_resumes_its_counts():
     s, rows = _run("cs-sfl", fraction=0.5, nodes=4, rounds=2)
     assert all(r["participants"] == 2 and "sampled-qcid" in r for r in rows)
     assert sum(s.selections.values()) == 4
-    state = s.split_extra_state()
+    state = s.extra_state()
     t = _run("cs-sfl", fraction=0.5, nodes=4, rounds=1)[0]
-    t.load_split_extra_state(state)
+    t.load_extra_state(state)
     assert t.selections == s.selections
     with pytest.raises(ConfigError, match="scala.balanced-selection"):
         get_algorithm("cs-sfl").parse_config({"scala.balanced-selection": False}, ["scala.balanced-selection"])

@@ -31,7 +31,7 @@ from split_layer.cut import (
     load_bottom_state,
     split_model,
 )
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from split_layer.worker import batch_seed, forward_seed, seeded
 from strategies.scala import batch_shares
@@ -143,7 +143,7 @@ def run_local(algo: str, extra: str, transport: str = "message", tls: str = "aut
     p = parsed(algo, extra)
     grid = LocalGrid(K, dispatch, threaded=transport == "stream")  # the stream needs every node at once
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=2, round_timeout=30, split_transport=transport, stream=StreamOptions(tls=tls)))
+        min_nodes=2, round_timeout=30), split_transport=transport, stream=StreamOptions(tls=tls))
     rows = []
     s.start(grid, num_rounds=ROUNDS, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()

@@ -12,8 +12,8 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer.cut import bottom_state
-from split_layer.rounds import RoundPolicy
-from strategies.base import SplitStrategy
+from strategies.core.round_policy import RoundPolicy
+from strategies.split_base import SplitStrategy
 from split_layer.transport import TENSORS_KEY
 from split_layer.validation import (
     SplitValidationError,
@@ -39,7 +39,7 @@ def _run(extra="", min_nodes=2, handler=dispatch, rounds=1, strategy_cls=None, a
     p = _parsed(extra, algo)
     grid = RecordingGrid(3, handler, threaded=transport == "stream")   # the stream needs every node at once
     s = (strategy_cls or p.spec.strategy_cls)(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=min_nodes, round_timeout=30, split_transport=transport, fraction_train=fraction))
+        min_nodes=min_nodes, round_timeout=30, fraction_train=fraction), split_transport=transport)
     rows = []
     s.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))
     grid.join()
@@ -276,7 +276,7 @@ def test_a_batch_larger_than_a_nodes_data_is_one_full_batch_with_a_warning(caplo
     with caplog.at_level(logging.WARNING, logger="flwr"):
         res, rows = run(s, grid, rounds=2)   # (two rounds: the warning is once per node, not per round)
     assert all(r["dropped"] == [] and not r.get("skipped") for r in rows), rows
-    sizes = {n: s.info[n]["n"] for n in s.info}
+    sizes = {n: s.directory[n]["n"] for n in s.directory}
     assert s.round_batch == {n: sizes[n] for n in s.round_batch} and max(sizes.values()) < 10_000
     said = [r.getMessage() for r in caplog.records if "batch-size=10000000 is larger" in r.getMessage()]
     assert len(said) == len(sizes), said   # once per node, not once per round

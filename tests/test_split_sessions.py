@@ -29,7 +29,7 @@ import torch
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.stream import (
     STREAM_KEYS,
     StreamClient,
@@ -60,8 +60,8 @@ def run(rounds: int = 3, transport: str = "stream", session: str = "run", extra:
     p = parse_run_config(fused_run_config([f"{BASE} {extra}"]))
     grid = grid or RecordingGrid(nodes, dispatch, threaded=transport == "stream")
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        fraction_train=p.app.fraction_train, min_nodes=2, round_timeout=30, split_transport=transport,
-        stream=StreamOptions(session=session, timeout=30)))
+        fraction_train=p.app.fraction_train, min_nodes=2, round_timeout=30), split_transport=transport,
+        stream=StreamOptions(session=session, timeout=30))
     rows: list[dict] = []
 
     def end(r, m):
@@ -146,7 +146,7 @@ class LateGrid(RecordingGrid):
 
 def test_a_node_joining_late_gets_a_session_at_the_next_round(monkeypatch):
     """A deployment's SuperNode that connects after round 1 (a simulation waits for all its
-    nodes before round 1, strategies.partition_count, so the grid stands for a deployment here)."""
+    nodes before round 1, strategies.core.partition_count, so the grid stands for a deployment here)."""
     from strategies import partition_count
 
     monkeypatch.setattr(partition_count, "is_simulation", lambda grid: False)
@@ -248,13 +248,13 @@ def test_session_frames_are_bounded_by_the_weights_and_the_largest_batch():
     """A session's server carries the bottom (+ extras) down and back: its message bound covers
     them and the streams at the largest batch a node can be given in any round (SCALA: B), and
     the nodes are told the same bound."""
-    from split_layer.rounds import array_bytes
+    from strategies.core.byte_meter import array_bytes
     from split_layer.stream import FRAME_MARGIN, max_frame_bytes
 
     seen = {}
 
     def after(r, m, s, grid):
-        seen["bound"] = s._transport.server.max_frame
+        seen["bound"] = s.transports.current.server.max_frame
         seen["told"] = {int(m.content.config_records["config"][STREAM_KEYS["max-frame"]]) for m in grid.sent
                         if STREAM_KEYS["max-frame"] in m.content.config_records["config"]}
 

@@ -16,7 +16,7 @@ import pytest
 from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.stream import (
     STREAM_KEYS,
     StreamClient,
@@ -242,21 +242,17 @@ def test_other_ops_go_through_flower_messages():
 
     grid = LocalGrid(K, handler)
     from strategies.base import BaseStrategy  # FlowerTransport needs strategy.exchange
-    from strategies.deadlines import WallClock
-    from strategies.round_guard import RoundGuard
+    from strategies.core.byte_meter import ByteMeter
+    from strategies.core.clock import SimClock
+    from strategies.core.deadlines import WallClock
+    from strategies.core.exchange_window import ExchangeWindow
+    from strategies.core.round_guard import RoundGuard
 
     class S(Owner):
         exchange = BaseStrategy.exchange
-        _exchange = BaseStrategy._exchange
         exchange_fold = BaseStrategy.exchange_fold
-        in_flight = BaseStrategy.in_flight
-        IN_FLIGHT_SECONDS = BaseStrategy.IN_FLIGHT_SECONDS
-        clock_stage = BaseStrategy.clock_stage
-        note_work = BaseStrategy.note_work
-        count_bytes = BaseStrategy.count_bytes
         record_kind = BaseStrategy.record_kind
         policy = RoundPolicy(round_timeout=5)
-        clock = None
         timer = WallClock()
 
         def __init__(self):
@@ -264,6 +260,9 @@ def test_other_ops_go_through_flower_messages():
             self.dropped = []
             self.warm_nodes = set()
             self.guard = RoundGuard(self)
+            self.window = ExchangeWindow(self)
+            self.meter = ByteMeter()
+            self.clock = SimClock(int)
 
     tr = StreamTransport(S(), grid, StreamOptions())
     got = tr.exchange(1, "split-info", {n: Envelope() for n in grid.get_node_ids()})
@@ -297,9 +296,9 @@ def test_bad_stream_config_names_the_key(extra, match):
 
 def test_strategy_with_stream_policy_uses_the_stream_transport():
     p = _parse({"algo": "scala"})
-    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(split_transport="stream", round_timeout=7.0))
+    s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(round_timeout=7.0), split_transport="stream")
     s.setup(LocalGrid(K, dispatch))
-    tr = s.make_transport(LocalGrid(K, dispatch))
+    tr = s.transports.make(LocalGrid(K, dispatch))
     assert isinstance(tr, StreamTransport) and tr.opts.timeout == 7.0
 
 

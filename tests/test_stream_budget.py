@@ -568,7 +568,7 @@ def test_a_flood_from_the_nodes_own_address_skips_no_round_session_round(monkeyp
     from flower_apps.client_app import dispatch
     from flower_apps.config import parse_run_config
     from split_layer import stream_transport
-    from split_layer.rounds import RoundPolicy
+    from strategies.core.round_policy import RoundPolicy
     from split_layer.stream import STREAM_KEYS
     from split_layer.transport import LocalGrid
 
@@ -594,8 +594,8 @@ def test_a_flood_from_the_nodes_own_address_skips_no_round_session_round(monkeyp
     p = parse_run_config(fused_run_config([BASE]))
     grid = LocalGrid(3, late_client, threaded=True)
     s = p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        min_nodes=3, round_timeout=60, split_transport="stream",
-        stream=StreamOptions(session="round", port=port, timeout=60)))
+        min_nodes=3, round_timeout=60), split_transport="stream",
+        stream=StreamOptions(session="round", port=port, timeout=60))
     rows: list[dict] = []
     th = threading.Thread(target=flood, daemon=True)
     th.start()

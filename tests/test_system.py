@@ -274,7 +274,7 @@ def test_a_split_round_on_a_fixed_system_sums_its_exchanges(tmp_path):
     up = sum(v for k, v in r2.items() if k.startswith("bytes.") and k.endswith(".up"))
     # two equal nodes with equal batch shares: every stage's slowest node carries half the bytes
     assert r2["sim-seconds"] == pytest.approx(down / 2 * 8 / 4e6 + up / 2 * 8 / 1e6, rel=1e-9)
-    # split-info is asked at the run's start, before the clock times round 1 (strategies.partition_count)
+    # split-info is asked at the run's start, before the clock times round 1 (strategies.core.partition_count)
     assert rows[0]["sim-stages"] == 4
     assert r2["sim-seconds-total"] == pytest.approx(rows[0]["sim-seconds"] + r2["sim-seconds"])
 

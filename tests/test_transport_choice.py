@@ -10,7 +10,7 @@ from flower_apps.client_app import dispatch
 from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from split_layer import worker
-from split_layer.rounds import RoundPolicy
+from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 
 
@@ -19,7 +19,7 @@ def _strategy(transport: str, system: str = "none", fraction: float = 1.0):
            "scala.total-batch": 16, "batch-size": 8, "seed": 4}
     p = parse_run_config(cfg)
     return p.spec.strategy_cls(p.task, p.algo, p.spec.name, RoundPolicy(
-        fraction_train=fraction, min_nodes=2, round_timeout=60, split_transport=transport, system=system))
+        fraction_train=fraction, min_nodes=2, round_timeout=60, system=system), split_transport=transport)
 
 
 @pytest.mark.parametrize("concurrent, fraction, system, expected", [
@@ -35,7 +35,7 @@ def test_auto_takes_the_stream_only_where_the_nodes_fit_it(monkeypatch, concurre
     s = _strategy("auto", system, fraction)
     grid = LocalGrid(3, dispatch)
     s.setup(grid)
-    assert s.chosen_transport(grid) == expected
+    assert s.transports.chosen(grid) == expected
 
 
 @pytest.mark.parametrize("transport", ["message", "stream"])
@@ -44,7 +44,7 @@ def test_a_named_transport_is_taken_as_named(monkeypatch, transport):
     s = _strategy(transport)
     grid = LocalGrid(3, dispatch)
     s.setup(grid)
-    assert s.chosen_transport(grid) == transport
+    assert s.transports.chosen(grid) == transport
 
 
 def test_auto_over_the_stream_gives_the_weights_of_the_message_transport(monkeypatch):
@@ -57,6 +57,6 @@ def test_auto_over_the_stream_gives_the_weights_of_the_message_transport(monkeyp
         grid = LocalGrid(3, dispatch, threaded=True)
         s.start(grid, num_rounds=2)
         grid.join()
-        assert s.chosen_transport(grid) == ("stream" if transport == "auto" else "message")
+        assert s.transports.chosen(grid) == ("stream" if transport == "auto" else "message")
         weights[transport] = {k: v.clone() for k, v in s.model.state_dict().items()}
     assert all(torch.equal(weights["auto"][k], weights["message"][k]) for k in weights["message"])

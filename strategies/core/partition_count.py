@@ -5,12 +5,12 @@ Flower's simulation sets them on each simulated node (``num-partitions`` = the c
 number of SuperNodes), a deployment's SuperNodes are started with ``--node-config
 "partition-id=<i> num-partitions=<n>"``, and each node partitions its data by its own
 ``num-partitions``. The server learns that count from the nodes connected at the start (the
-strategy's one-time partition query: ``node-info``, or a split node's ``split-info``) and
+strategy's one-time partition query: ``node-info``, or a strategy's own query that carries it) and
 partitions its own copy of the plan over the same count:
 
 * the nodes asked must state one count; two counts are a ``ConfigError`` naming
   ``num-partitions`` (a later node stating another count is logged, and the run's count kept:
-  :class:`split_layer.rounds.NodeDirectory`);
+  :class:`strategies.core.node_directory.NodeDirectory`);
 * in a simulation (Flower's simulation engine, or the in-process :class:`LocalGrid`) the
   server then waits for every one of those SuperNodes (``wait-for-nodes`` seconds from the
   start, else a ``ConfigError`` naming it): simulated nodes may register after the ServerApp's

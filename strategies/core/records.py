@@ -7,8 +7,10 @@
   :func:`tasks.training.load_numpy_state`).
 * Actions: a message's action is its Flower message type: ``train``, ``evaluate``, or
   ``query.<action>`` (Flower's own routing, ``@app.query("<action>")``). The library names
-  its actions with hyphens (``split-info``); on the wire they are identifiers
-  (``query.split_info``): :func:`message_type` and :func:`action_of` convert.
+  its actions with hyphens (``node-info``); on the wire they are identifiers
+  (``query.node_info``): :func:`message_type` and :func:`action_of` convert.
+* Replies: :func:`describe_error` (the real exception of a ClientApp's error reply) and
+  :func:`metric_safe` (what a ``MetricRecord`` accepts).
 * Consent: :func:`label_consent`, the node's own decision whether metrics computed from
   its labels may leave it (node config ``share-label-metrics``), and
   :func:`withhold_label_metrics`, which every reply passes through
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -46,10 +49,10 @@ LABEL_CONSENT_KEY = "share-label-metrics"
 LABEL_CONSENT_ENV = "FLOWER_SSL_SHARE_LABEL_METRICS"   # the same decision where a node has no node config
 
 NODE_INFO = "node-info"  # the query every node answers (see node_info)
-SPLIT_ACTIONS = ("split", "split-info")   # the split runtime's queries (split_layer.runtime / worker)
-# actions that ask a node about itself (no user config, node state not saved) and actions that
-# evaluate (evaluate_config, node state not saved); every other action trains
-INFO_ACTIONS = (NODE_INFO, "split-info")
+# actions that ask a node about itself (no user config, node state not saved; a layer above adds
+# its own: a strategy's ``info_actions``) and actions that evaluate (evaluate_config, node state
+# not saved); every other action trains
+INFO_ACTIONS = (NODE_INFO,)
 EVAL_ACTIONS = ("evaluate",)
 _CATEGORIES = ("train", "evaluate", "query")
 
@@ -214,3 +217,42 @@ def client_env(msg: Message, context: Context, label_mode: str, with_test: bool 
         return source(context, task, int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None)
     pid, n = node_partition(context)
     return library_env(task, n, label_mode, with_test, pid, str(context.node_config.get("data-path", "")))
+
+
+# --------------------------------------------------------------------------- replies
+_EXC_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)): ?(.*)$")
+
+
+def describe_error(reason: str, limit: int = 800) -> str:
+    """The real exception of a ClientApp error reply, as ``Type: message``.
+
+    Flower words a reply as ``<class 'T'>:<'message'>``; in the simulation engine ``T`` is
+    ``ClientAppException`` and the message is Ray's traceback, whose last ``Type: message``
+    line is the exception the ClientApp raised. That line (and what follows it, the rest
+    of a multi-line message) is returned, cut to ``limit`` characters; otherwise the end
+    of the reason.
+    """
+    text = reason.strip()
+    m = re.match(r"^<class '([\w.]+)'>:<'(.*)'>$", text, re.S)
+    if m:
+        text = m.group(2).strip() if m.group(1).endswith("ClientAppException") else f"{m.group(1)}: {m.group(2)}"
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        hit = _EXC_LINE.match(lines[i])
+        if hit and not hit.group(1).endswith("ClientAppException"):
+            out = "\n".join([hit.group(1).rsplit(".", 1)[-1] + ": " + hit.group(2), *lines[i + 1:]]).strip()
+            return out if len(out) <= limit else out[:limit] + " ..."
+    return text if len(text) <= limit else "... " + text[-limit:]
+
+
+def metric_safe(d: dict[str, Any]) -> dict[str, Any]:
+    """Keep what a MetricRecord accepts (numbers and lists of numbers)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool):
+            out[k] = int(v)
+        elif isinstance(v, (int, float)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out[k] = [float(x) for x in v] if any(isinstance(x, float) for x in v) else list(v)
+    return out

@@ -10,7 +10,7 @@
   over the run's earlier applied rounds)`` (``ln C``: the cross-entropy of a uniform guess over
   ``C`` classes; a ``train-loss``, whose scale is the algorithm's own, only once the run has
   one), diverged: the strategy's state is
-  rolled back to the start of the round (its :meth:`~strategies.base.BaseStrategy.state_dict`,
+  rolled back to the start of the round (its :meth:`~strategies.core.round_loop.RoundLoopStrategy.state_dict`,
   the state a checkpoint holds), the round is reported as ``diverged`` and ``skipped`` with a
   logged warning, and the result the run saves is the model from before it. State a node keeps
   itself (e.g. a personalised model on the node) is not rolled back. A full-model algorithm's
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from logging import WARNING
 from typing import Any
 
@@ -28,10 +29,22 @@ import numpy as np
 from flwr.app import Message
 from flwr.common import log
 
-from split_layer.bounds import update_norm
-from split_layer.records import ARRAYS_KEY, record_to_numpy
+from .records import ARRAYS_KEY, record_to_numpy
 
-__all__ = ["RoundGuard"]
+__all__ = ["RoundGuard", "update_norm"]
+
+
+def update_norm(upload: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> float:
+    """L2 norm of ``upload - reference`` over the float entries both hold with the same shape."""
+    total = 0.0
+    for k, v in upload.items():
+        ref = reference.get(k)
+        a = np.asarray(v)
+        if ref is None or not np.issubdtype(a.dtype, np.floating) or a.shape != np.shape(ref):
+            continue
+        d = a.astype(np.float64) - np.asarray(ref, dtype=np.float64)
+        total += float(np.sum(d * d))
+    return float(np.sqrt(total))
 
 
 class RoundGuard:
