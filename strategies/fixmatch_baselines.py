@@ -311,10 +311,8 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
         load_numpy_state(self.model, state, strict=self.body_keys is None)  # the shared part only
 
-    def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
-        out = super().run_round(server_round, grid)
-        out.update(self.maybe_eval(grid, server_round, self.cfg.eval_every))
-        return out
+    def eval_period(self) -> int:
+        return self.cfg.eval_every
 
     def extra_state(self) -> dict[str, Any]:
         return {**super().extra_state(), "seeded": sorted(self.seeded)}
@@ -368,8 +366,10 @@ class LocalOnlyStrategy(PersonalizedEvalStrategy):
         if mets:
             out["train-loss"] = float(np.mean([float(m["train-loss"]) for m in mets]))
             out["mask-rate"] = float(np.mean([float(m["mask-rate"]) for m in mets]))
-        out.update(self.maybe_eval(grid, server_round, self.cfg.eval_every))
         return out
+
+    def eval_period(self) -> int:
+        return self.cfg.eval_every
 
 
 def spec(name: str, cls: type, desc: str, node_state: tuple[str, ...] = NODE_STATE,

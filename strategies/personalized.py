@@ -12,11 +12,11 @@ Client contract: an ``evaluate`` message carries what the node needs to rebuild 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from strategies.core.records import ARRAYS_KEY, METRICS_KEY, client_env
@@ -43,8 +43,8 @@ def evaluate_on_own_test(msg: Message, env: Env, model: torch.nn.Module) -> Mess
 
 class PersonalizedEvalStrategy(BaseStrategy):
     """Shared server side of every variant: dir2 partition with per-client test splits, and
-    per-client evaluation (``evaluate`` messages) every ``every`` rounds (the caller's config)
-    and at the end.
+    per-client evaluation through Flower's evaluate hooks (``evaluate`` messages) every
+    :meth:`eval_period` rounds and at the end.
 
     The round's ``accuracy`` is the mean of the clients' test accuracies (unweighted, as the
     paper), ``client-accuracies`` the list by partition id (``client-ids``), ``client-accuracy-var`` the
@@ -56,7 +56,6 @@ class PersonalizedEvalStrategy(BaseStrategy):
 
     def __init__(self, *a, **kw) -> None:
         self.last_eval: dict[str, Any] = {}    # (set before the base's __init__, which sets a user's model up)
-        self.round_eval: dict[str, Any] = {}   # this round's per-client evaluation (server metrics)
         super().__init__(*a, **kw)
 
     def eval_payload(self, node: int) -> ArrayRecord | None:
@@ -68,39 +67,47 @@ class PersonalizedEvalStrategy(BaseStrategy):
             return "eval-weights"   # the model a node rebuilds for its personalised evaluation
         return super().record_kind(key, msg, direction)
 
-    def client_eval(self, grid: Grid, server_round: int) -> dict[str, Any]:
-        nodes = sorted(grid.get_node_ids())
+    def eval_period(self) -> int:
+        """Rounds between per-client evaluations (override: the algorithm's ``eval-every``)."""
+        return 1
+
+    def evaluates_round(self, server_round: int) -> bool:
+        """The per-client evaluation runs every :meth:`eval_period` rounds and at the last."""
+        return server_round % self.eval_period() == 0 or server_round == self.num_rounds
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> list[Message]:
+        """Flower's hook: one ``evaluate`` message per node, with what it needs to rebuild its
+        model (:meth:`eval_payload`)."""
         msgs = []
-        for n in nodes:
+        for n in sorted(grid.get_node_ids()):
             content = self.base_content(server_round, action="evaluate")
             rec = self.eval_payload(n)
             if rec is not None:
                 content[ARRAYS_KEY] = rec
             msgs.append(Message(content, dst_node_id=n, message_type="evaluate", group_id=str(server_round)))
+        return msgs
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Flower's hook: the clients' accuracies, their mean (the round's ``accuracy``), variance
+        and minimum, by partition id; kept for checkpoints (``last_eval``)."""
         accs: dict[int, float] = {}
-        for r in self.exchange(grid, msgs):
+        for r in replies:
             m = r.content.metric_records[METRICS_KEY]
             accs[int(m["partition-id"])] = float(m["accuracy"])
         if not accs:
-            return {}
+            self.last_eval = {}
+            return None
         vals = [accs[k] for k in sorted(accs)]
-        return {"accuracy": float(np.mean(vals)), "client-accuracy-mean": float(np.mean(vals)),
-                "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
-                "client-accuracies": vals, "client-ids": sorted(accs)}
-
-    def maybe_eval(self, grid: Grid, server_round: int, every: int = 1) -> dict[str, Any]:
-        """The per-client evaluation when ``server_round`` is a multiple of ``every`` or the last."""
-        if server_round % every == 0 or server_round == self.num_rounds:
-            self.last_eval = self.client_eval(grid, server_round)
-            self.round_eval = dict(self.last_eval)
-            return dict(self.last_eval)
-        return {}
+        self.last_eval = {"accuracy": float(np.mean(vals)), "client-accuracy-mean": float(np.mean(vals)),
+                          "client-accuracy-var": float(np.var(vals)), "client-accuracy-min": float(np.min(vals)),
+                          "client-accuracies": vals, "client-ids": sorted(accs)}
+        return MetricRecord(self.last_eval)
 
     def evaluate_global(self) -> dict[str, Any]:
-        """The per-client evaluation of this round (run in ``run_round``: it needs the grid);
-        nothing for round 0 and for rounds between evaluations."""
-        out, self.round_eval = self.round_eval, {}
-        return out
+        """No evaluation on the server: each client's model is evaluated on its own test split
+        (Flower's evaluate hooks, above)."""
+        return {}
 
     def extra_state(self) -> dict[str, Any]:
         return {"last_eval": self.last_eval}

@@ -470,8 +470,10 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
             if vals:
                 out[key] = float(np.nanmean(vals)) if not all(map(math.isnan, vals)) else float("nan")
         out.update(self.flush_counts())
-        out.update(self.maybe_eval(grid, t, cfg.eval_every))
         return out
+
+    def eval_period(self) -> int:
+        return self.cfg.eval_every
 
     # ---------------------------------------------------------------- checkpoints
     def extra_state(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The core of the round loop, which knows nothing of split learning nor of any algorithm;
-the split layer (``split_layer/``) and every strategy build on it.
+the split-learning layer and every strategy build on it.
 
 * :mod:`strategies.core.records` -- record names, conversions, actions, consent, the node's env
   (``client_env``), error replies (``describe_error``), ``metric_safe``.

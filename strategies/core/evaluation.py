@@ -11,13 +11,14 @@ from .records import model_to_record
 __all__ = ["federated_evaluation"]
 
 
-def federated_evaluation(strategy: Any, server_round: int, grid: Grid, base: type) -> dict[str, Any]:
+def federated_evaluation(strategy: Any, server_round: int, grid: Grid) -> dict[str, Any]:
     """Round ``server_round``'s federated evaluation: the messages of the strategy's
     ``configure_evaluate`` (Flower's hook; with the global model and ``evaluate_config``)
     exchanged, their replies to its ``aggregate_evaluate``; its metrics (``{}``: none). Not asked
-    where the hook is ``base``'s default (no messages): no global arrays are built for nothing."""
+    in a round the strategy does not evaluate (``evaluates_round``): no global arrays are built
+    for nothing."""
     s = strategy
-    if type(s).configure_evaluate is base.configure_evaluate:
+    if not s.evaluates_round(server_round):
         return {}
     msgs = list(s.configure_evaluate(server_round, model_to_record(s.model), ConfigRecord(s.evaluate_config), grid))
     if not msgs:

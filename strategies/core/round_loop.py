@@ -204,6 +204,11 @@ class RoundLoopStrategy(Strategy):
         model is evaluated on the server, :meth:`evaluate_global`)."""
         return []
 
+    def evaluates_round(self, server_round: int) -> bool:
+        """Whether round ``server_round`` asks :meth:`configure_evaluate` (default: wherever a
+        subclass overrides it; e.g. a personalised evaluation every ``eval-every`` rounds)."""
+        return type(self).configure_evaluate is not RoundLoopStrategy.configure_evaluate
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Flower's hook: the round's evaluation metrics from the replies to :meth:`configure_evaluate`."""
         return None
@@ -300,7 +305,7 @@ class RoundLoopStrategy(Strategy):
             before = self.guard.snapshot()   # a diverged round is rolled back to it (strategies.core.round_guard)
             with self.clock.round(rnd) as clock_metrics:
                 metrics = self.run_round(rnd, grid)
-                federated = federated_evaluation(self, rnd, grid, RoundLoopStrategy)
+                federated = federated_evaluation(self, rnd, grid)
             metrics.update(clock_metrics)
             failure = self.window.common_failure() if metrics.get("skipped") else None
             if failure is not None:   # a setup error every node meets is not a fault to tolerate
