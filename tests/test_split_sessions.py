@@ -147,9 +147,9 @@ class LateGrid(RecordingGrid):
 def test_a_node_joining_late_gets_a_session_at_the_next_round(monkeypatch):
     """A deployment's SuperNode that connects after round 1 (a simulation waits for all its
     nodes before round 1, strategies.core.partition_count, so the grid stands for a deployment here)."""
-    from strategies import partition_count
+    from strategies.core import partition_count
 
-    monkeypatch.setattr(partition_count, "is_simulation", lambda grid: False)
+    monkeypatch.setattr(partition_count, "simulated", lambda grid: False)
     grid = LateGrid(4, dispatch, threaded=True)
     late = max(grid.contexts)
 

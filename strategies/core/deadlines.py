@@ -2,7 +2,7 @@
 allowance for a node's first instruction of the run.
 
 An exchange keeps at most ``max-in-flight`` instructions out at once
-(:meth:`strategies.base.BaseStrategy.in_flight`); an instruction still waiting for a free slot
+(:meth:`strategies.core.exchange_window.ExchangeWindow.in_flight`); an instruction still waiting for a free slot
 is not late, so each instruction's clock starts when it is pushed, not when the exchange
 began. A node's first instruction of the run also starts its ClientApp (a process or a Ray
 actor that imports PyTorch and loads its data): it is due ``round-timeout +

@@ -11,7 +11,8 @@ partitions its own copy of the plan over the same count:
 * the nodes asked must state one count; two counts are a ``ConfigError`` naming
   ``num-partitions`` (a later node stating another count is logged, and the run's count kept:
   :class:`strategies.core.node_directory.NodeDirectory`);
-* in a simulation (Flower's simulation engine, or the in-process :class:`LocalGrid`) the
+* in a simulation (Flower's simulation engine, or the in-process ``LocalGrid``:
+  :func:`strategies.core.simulation.simulated`) the
   server then waits for every one of those SuperNodes (``wait-for-nodes`` seconds from the
   start, else a ``ConfigError`` naming it): simulated nodes may register after the ServerApp's
   first look;
@@ -29,17 +30,9 @@ from flwr.common import log
 
 from tasks.config import ConfigError
 
-__all__ = ["settle_partitions", "wait_for", "is_simulation", "SIMULATION_GRIDS"]
+from .simulation import simulated
 
-#: the grids whose nodes are simulated in this ServerApp's machine (Flower's simulation engine,
-#: the library's in-process grid); any other is a deployment
-SIMULATION_GRIDS = ("InMemoryGrid", "LocalGrid")
-
-
-def is_simulation(grid: Any) -> bool:
-    """Whether ``grid``'s nodes are simulated (its class or a base class is one of
-    :data:`SIMULATION_GRIDS`)."""
-    return any(c.__name__ in SIMULATION_GRIDS for c in type(grid).__mro__)
+__all__ = ["settle_partitions", "wait_for"]
 
 
 def wait_for(strategy: Any, grid: Any, count: int, deadline: float, why: str) -> list[int]:
@@ -60,7 +53,7 @@ def wait_for(strategy: Any, grid: Any, count: int, deadline: float, why: str) ->
 
 def settle_partitions(strategy: Any, grid: Any) -> int:
     """Wait for the run's SuperNodes and return the number of partitions (see module docstring).
-    ``strategy``: a :class:`strategies.base.BaseStrategy` (its ``policy``, ``timer``,
+    ``strategy``: a :class:`strategies.core.round_loop.RoundLoopStrategy` (its ``policy``, ``timer``,
     ``learn_partitions`` and node ``directory``)."""
     policy = strategy.policy
     deadline = strategy.timer.now() + policy.wait_for_nodes
@@ -77,7 +70,7 @@ def settle_partitions(strategy: Any, grid: Any) -> int:
                      "node(s) connected at the start", len(nodes))
         return len(nodes)
     num = counts[0]
-    if is_simulation(grid):
+    if simulated(grid):
         nodes = wait_for(strategy, grid, num, deadline, f"the nodes state (num-partitions={num})")
     log(INFO, "the data is partitioned over num-partitions=%d, as the nodes state; %d node(s) connected",
         num, len(nodes))
