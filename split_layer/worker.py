@@ -212,7 +212,8 @@ class SplitClientHooks:
 
 
 # --------------------------------------------------------------------------- state helpers
-def _save_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer) -> ArrayRecord:
+def save_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer) -> ArrayRecord:
+    """``opt``'s SGD momentum buffers of ``bottom``'s parameters, by parameter name (node state)."""
     bufs = {}
     for name, p in bottom.named_parameters():
         st = opt.state.get(p, {})
@@ -222,7 +223,8 @@ def _save_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer) -> ArrayRecor
     return ArrayRecord(bufs)
 
 
-def _load_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer, rec: ArrayRecord) -> None:
+def load_opt(bottom: torch.nn.Module, opt: torch.optim.Optimizer, rec: ArrayRecord) -> None:
+    """Restore the momentum buffers :func:`save_opt` kept into ``opt``."""
     keys = set(rec.keys())
     for name, p in bottom.named_parameters():
         if name in keys:
@@ -398,13 +400,13 @@ class SplitWorker:
         load_bottom_state(w.model, {k: torch.from_numpy(rec[k].numpy().copy()) for k in rec.keys()}, w.cut)
         w.optimizer = self.hooks.make_optimizer(w)
         if STATE_OPT in st:
-            _load_opt(w.bottom, w.optimizer, st[STATE_OPT])
+            load_opt(w.bottom, w.optimizer, st[STATE_OPT])
 
     @staticmethod
     def keep(w: Worker, st: RecordDict, step: int) -> None:
         """What the next message of the round needs (``context.state``): bottom, momentum, meta."""
         st[STATE_BOTTOM] = state_to_record(bottom_state(w.model, w.cut))
-        st[STATE_OPT] = _save_opt(w.bottom, w.optimizer)
+        st[STATE_OPT] = save_opt(w.bottom, w.optimizer)
         st[STATE_META] = ConfigRecord({"round": w.rnd, "next-step": step + 1, "iters": w.iters,
                                        "batch": w.batch_size})
 

@@ -60,7 +60,6 @@ from flwr.serverapp import Grid
 
 from strategies.core.records import (
     ARRAYS_KEY,
-    CONFIG_KEY,
     METRICS_KEY,
     algo_config,
     client_env,
@@ -74,7 +73,7 @@ from tasks.partition.metrics import class_histograms, r_metric
 from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_steps, train_supervised
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 SHARED_KEY = "shared-data"           # message ArrayRecord: G_k (x, y); byte kind "shared-data"
@@ -133,7 +132,7 @@ def client_train(msg: Message, context: Context) -> Message:
     """Local supervised SGD on D_k + G_k from the global weights (see the module docstring)."""
     env = client_env(msg, context, label_mode="server")
     cfg = algo_config(msg, DataSharingConfig)
-    rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
+    rnd = server_round(msg)
     if SHARED_KEY in msg.content.array_records:       # the one download of G_k
         context.state[STATE_KEY] = numpy_to_record(record_to_numpy(msg.content.array_records[SHARED_KEY]))
     if STATE_KEY not in context.state:

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message
 from flwr.serverapp import Grid
 
 from strategies.core.records import (
@@ -80,7 +80,7 @@ from tasks.config import ConfigError, knob
 from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_steps, train_supervised
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, reply, server_round
 from .registry import AlgorithmSpec, register
 
 X_KEY = "elastic.x"              # context.state: the worker's own model x_i (full state dict)
@@ -209,7 +209,7 @@ def _worker_period(msg: Message, context: Context, name: str, nesterov: bool):
     env = client_env(msg, context, label_mode="all")
     if len(env.labeled()) == 0:
         raise ConfigError(f"{name}: this node has no labeled data (every worker trains on its own labels)")
-    rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
+    rnd = server_round(msg)
     z = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
     model = env.build_model()
     x = _state(context, X_KEY)
@@ -231,11 +231,6 @@ def _worker_period(msg: Message, context: Context, name: str, nesterov: bool):
     return trained, z, metrics, env, x is not None
 
 
-def _reply(msg: Message, arrays: dict[str, np.ndarray], metrics: dict) -> Message:
-    return Message(RecordDict({ARRAYS_KEY: numpy_to_record(arrays), METRICS_KEY: MetricRecord(metrics)}),
-                   reply_to=msg)
-
-
 def easgd_train(msg: Message, context: Context) -> Message:
     """One EASGD period on a worker: tau local steps, then ``x <- x - a (x - z)``; replies the
     pre-update x_i."""
@@ -243,7 +238,7 @@ def easgd_train(msg: Message, context: Context) -> Message:
     a = float(msg.content.config_records[CONFIG_KEY]["elastic-a"])
     trained, z, metrics, _, _ = _worker_period(msg, context, "easgd", cfg.nesterov)
     context.state[X_KEY] = numpy_to_record(easgd_worker(trained, z, a))
-    return _reply(msg, trained, metrics)
+    return reply(msg, numpy_to_record(trained), metrics)
 
 
 def overlap_train(msg: Message, context: Context) -> Message:
@@ -258,7 +253,7 @@ def overlap_train(msg: Message, context: Context) -> Message:
     pulled, new_v, contrib = overlap_worker(trained, v, z, cfg.pull, cfg.gmf, lr)
     context.state[X_KEY] = numpy_to_record(pulled)
     context.state[ANCHOR_V_KEY] = numpy_to_record(new_v)
-    return _reply(msg, contrib, metrics)
+    return reply(msg, numpy_to_record(contrib), metrics)
 
 
 # --------------------------------------------------------------------------- server side

@@ -24,7 +24,6 @@ from flwr.serverapp import Grid
 
 from strategies.core.records import (
     ARRAYS_KEY,
-    CONFIG_KEY,
     METRICS_KEY,
     client_env,
     model_to_record,
@@ -40,7 +39,7 @@ from tasks.training import (
     train_supervised,
 )
 
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 
@@ -60,7 +59,7 @@ def client_train(msg: Message, context: Context,
     loss, made once the received weights are loaded; ``loss_fn(env, data)`` returns the loss
     ``(logits, y) -> loss`` that replaces the cross-entropy."""
     env = client_env(msg, context, label_mode="all")
-    rnd = int(msg.content.config_records[CONFIG_KEY]["server-round"])
+    rnd = server_round(msg)
     model = env.model_from(record_to_numpy(msg.content.array_records[ARRAYS_KEY]))
     data = env.labeled()
     task = env.task

@@ -68,7 +68,7 @@ import numpy as np
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from tasks.client_sampling import cbs_sample, qcid
+from tasks.client_sampling import choose_balanced, count_selections
 from tasks.config import knob
 from tasks.training import derive_seed
 
@@ -107,10 +107,7 @@ class FedCBSStrategy(LabelHistograms, FedAvgStrategy):
         else:
             self.learn_histograms(grid, nodes, server_round)
             chosen = self.choose(nodes, k, server_round)
-        part = self.partition_of
-        for n in chosen:
-            if n in part:
-                self.selections[part[n]] = self.selections.get(part[n], 0) + 1
+        count_selections(self.selections, chosen, self.partition_of)
         return sorted(chosen)
 
     def choose(self, nodes: list[int], k: int, server_round: int) -> list[int]:
@@ -120,17 +117,14 @@ class FedCBSStrategy(LabelHistograms, FedAvgStrategy):
         pool = sorted((n for n in nodes if self.histogram_of(n) is not None), key=lambda n: (part[n], n))
         rest = sorted((n for n in nodes if self.histogram_of(n) is None), key=lambda n: (part.get(n, 1 << 62), n))
         rng = np.random.default_rng(derive_seed(self.task.seed, "fedcbs-sample", server_round))
-        if len(pool) >= k:
-            counts = np.stack([self.histogram_of(n) for n in pool])
-            t_n = [1 + self.selections.get(part[n], 0) for n in pool]
-            idx = cbs_sample(counts, k, server_round - 1, t_n, self.cfg.ucb_lambda, rng)
-            self.round_qcid = qcid(counts, idx)
-            return [pool[i] for i in idx]
-        log(WARNING, "fedcbs round %s: only %d of %d nodes gave a label histogram, %d are needed; the "
-            "other %d places are drawn uniformly from the nodes without one", server_round, len(pool),
-            len(nodes), k, k - len(pool))
-        extra = rng.choice(len(rest), size=k - len(pool), replace=False)
-        return pool + [rest[i] for i in sorted(extra)]
+        if len(pool) < k:
+            log(WARNING, "fedcbs round %s: only %d of %d nodes gave a label histogram, %d are needed; the "
+                "other %d places are drawn uniformly from the nodes without one", server_round, len(pool),
+                len(nodes), k, k - len(pool))
+        t_n = [1 + self.selections.get(part[n], 0) for n in pool]
+        chosen, self.round_qcid = choose_balanced(pool, rest, k, self.histogram_of, server_round - 1, t_n,
+                                                  self.cfg.ucb_lambda, rng)
+        return chosen
 
     # ------------------------------------------------------------------ round, state
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:

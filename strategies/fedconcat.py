@@ -102,7 +102,7 @@ from tasks.kmeans import kmeans, nearest, size_cap
 from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_steps, seeded, train_supervised
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .fedavg import client_train as fedavg_train
 from .label_histogram import HISTOGRAM, LabelHistograms, client_label_histogram
 from .registry import AlgorithmSpec, register
@@ -138,7 +138,7 @@ def _cfg(msg: Message) -> FedConcatConfig:
 def _train_head(msg: Message, context: Context) -> Message:
     env = client_env(msg, context, label_mode="all")
     conf = msg.content.config_records[CONFIG_KEY]
-    rnd, k = int(conf["server-round"]), int(conf["fedconcat-clusters"])
+    rnd, k = server_round(msg), int(conf["fedconcat-clusters"])
     recs = msg.content.array_records
     encoders = []
     for c in range(k):

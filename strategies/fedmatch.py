@@ -138,7 +138,7 @@ from tasks.training import (
 )
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 __all__ = [
@@ -333,7 +333,7 @@ def client_train(msg: Message, context: Context) -> Message:
     conf = msg.content.config_records[CONFIG_KEY]
     if PSI_KEY not in msg.content.array_records:
         raise ValueError(f"fedmatch: the train message carries no '{PSI_KEY}' record (the global psi)")
-    rnd = int(conf["server-round"])
+    rnd = server_round(msg)
     task, dev = env.task, env.device
     model = env.build_model()
     load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))

@@ -132,7 +132,7 @@ from tasks.training import (
     trainable_keys,
 )
 
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 NAMESPACE = "fedshvr"
@@ -423,7 +423,7 @@ def client_train(msg: Message, context: Context) -> Message:
     env = client_env(msg, context, label_mode="mismatch")
     cfg, task = _algo_config(msg), env.task
     conf = msg.content.config_records[CONFIG_KEY]
-    rnd = int(conf["server-round"])
+    rnd = server_round(msg)
     model = env.build_model()
     global_np = record_to_numpy(msg.content.array_records[ARRAYS_KEY])
     load_numpy_state(model, global_np)

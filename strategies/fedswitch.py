@@ -101,7 +101,7 @@ from tasks.schedules import cosine_decay
 from tasks.training import derive_seed, load_numpy_state, make_sgd, num_local_steps, set_lr
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 __all__ = ["FedSwitchConfig", "FedSwitchStrategy", "FedSwitchClient", "TEACHER_KEY", "client_train", "ALGORITHMS"]
@@ -238,7 +238,7 @@ def client_train(msg: Message, context: Context) -> Message:
     conf = msg.content.config_records[CONFIG_KEY]
     if TEACHER_KEY not in msg.content.array_records:
         raise ValueError(f"fedswitch: the train message carries no '{TEACHER_KEY}' record (the teacher w~)")
-    rnd = int(conf["server-round"])
+    rnd = server_round(msg)
     task = env.task
     student = env.build_model()
     load_numpy_state(student, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))

@@ -52,11 +52,11 @@ from tasks.config import knob
 from tasks.env import Env
 from tasks.pfedme import moreau_inner_steps, moreau_outer_step
 from tasks.training import (
-    batch_indices,
     derive_seed,
     fixmatch_loss,
     load_numpy_state,
     num_local_steps,
+    paired_batches,
     seeded,
     to_device_batch,
 )
@@ -87,15 +87,9 @@ def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, c
     t, aug = env.task, env.augmenter
     lab, unl = env.labeled(), env.unlabeled()
     theta.train()
-    lab_it = iter(batch_indices(len(lab), t.batch_size, steps, torch.Generator().manual_seed(seed)))
-    unl_it = iter(batch_indices(len(unl), cfg.uratio * t.batch_size, steps,
-                                torch.Generator().manual_seed(seed + 1)))
     total, done, kept, seen_u = 0.0, 0, 0.0, 0
     with seeded(seed, env.device):   # augmentation and dropout draws
-        for _ in range(steps):
-            il, iu = next(lab_it, None), next(unl_it, None)
-            if il is None and iu is None:
-                break
+        for il, iu in paired_batches(len(lab), len(unl), t.batch_size, cfg.uratio * t.batch_size, steps, seed):
             xw = y = views = None
             if il is not None:
                 xb, y = to_device_batch(lab, il, env.device)

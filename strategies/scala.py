@@ -120,11 +120,11 @@ from split_layer.cut import load_top_state, top_state_keys
 from .split_base import SplitStrategy
 from split_layer.transport import Envelope
 from split_layer.validation import SplitValidationError, TensorSpec, check_streams
-from split_layer.worker import SplitClientHooks, Worker, _load_opt, _save_opt, make_split_handlers
+from split_layer.worker import SplitClientHooks, Worker, load_opt, make_split_handlers, save_opt
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from tasks.aggregate import weighted_mean
-from tasks.client_sampling import cbs_step_probabilities, qcid
+from tasks.client_sampling import cbs_step_probabilities, choose_balanced, count_selections
 from tasks.config import ConfigError, knob
 from tasks.losses import logit_adjusted_ce
 from tasks.training import derive_seed, make_sgd, seeded
@@ -251,10 +251,7 @@ class ScalaStrategy(SplitStrategy):
         else:
             self.learn_partitions(grid, nodes, server_round=server_round)
             chosen = self.choose_balanced(nodes, k, server_round)
-        part = self.directory.partitions()
-        for n in chosen:
-            if n in part:
-                self.selections[part[n]] = self.selections.get(part[n], 0) + 1
+        count_selections(self.selections, chosen, self.directory.partitions())
         return sorted(chosen)
 
     def balanced_pool(self, nodes: list[int]) -> tuple[list[int], list[int]]:
@@ -278,29 +275,23 @@ class ScalaStrategy(SplitStrategy):
                                       self.cfg.selection_lambda)
 
     def choose_balanced(self, nodes: list[int], k: int, server_round: int) -> list[int]:
-        """``k`` of ``nodes``, one after another: ``cbs`` draws each pick from
-        :meth:`selection_probabilities` (seeded by ``(seed, "cs-sfl-sample", round)``);
-        ``greedy`` takes the first pick's most probable node (its UCB score) and then each time
-        the node that minimises the QCID of the set so far plus it (ties: partition order).
-        Fewer than ``k`` nodes with a histogram: all of them, the rest uniformly (seeded)."""
+        """``k`` of ``nodes`` by Fed-CBS's client choice (:func:`tasks.client_sampling.choose_balanced`,
+        seeded by ``(seed, "cs-sfl-sample", round)``): ``cbs`` draws each pick from
+        :meth:`selection_probabilities`; ``greedy`` takes the first pick's most probable node (its
+        UCB score) and then each time the node that minimises the QCID of the set so far plus it
+        (ties: partition order). Fewer than ``k`` nodes with a histogram: all of them, the rest
+        uniformly (seeded)."""
         pool, rest = self.balanced_pool(nodes)
         rng = np.random.default_rng(derive_seed(self.task.seed, "cs-sfl-sample", server_round))
         if len(pool) < k:
             log(WARNING, "cs-sfl round %s: only %d of %d nodes have a label histogram, %d are needed; the "
                 "other places are drawn uniformly", server_round, len(pool), len(nodes), k)
-            extra = rng.choice(len(rest), size=k - len(pool), replace=False)
-            return pool + [rest[i] for i in sorted(extra)]
-        counts = np.stack([np.asarray(self.histogram(n), dtype=np.float64) for n in pool])
-        idx: list[int] = []
-        for _ in range(k):
-            if self.cfg.selection_rule == "greedy" and idx:
-                free = [i for i in range(len(pool)) if i not in idx]
-                idx.append(min(free, key=lambda i: (qcid(counts, idx + [i]), i)))
-                continue
-            p = self.selection_probabilities(pool, [pool[i] for i in idx], server_round)
-            idx.append(int(np.argmax(p)) if self.cfg.selection_rule == "greedy" else int(rng.choice(len(pool), p=p)))
-        self.round_qcid = qcid(counts, idx)
-        return [pool[i] for i in idx]
+        t_n = [1 + self.selections.get(self.directory[n]["partition"], 0) for n in pool]
+        chosen, qcid_ = choose_balanced(pool, rest, k, self.histogram, server_round - 1, t_n,
+                                        self.cfg.selection_lambda, rng, self.cfg.selection_rule)
+        if qcid_ is not None:
+            self.round_qcid = qcid_
+        return chosen
 
     def visit_groups(self, server_round: int, nodes: list[int]) -> list[list[int]]:
         """SplitFedV2 (``sequential``): every client alone, in a random order per round, seeded
@@ -459,7 +450,7 @@ class LocalLossHooks(SplitClientHooks):
             head = _head_from_state({k: rec[k].numpy() for k in rec.keys()}, w.env.device)
             opt = make_sgd(head.parameters(), w.env.task)
             if _STATE_AUX_OPT in w.state:
-                _load_opt(head, opt, w.state[_STATE_AUX_OPT])
+                load_opt(head, opt, w.state[_STATE_AUX_OPT])
             w.cache["aux"] = (head, opt)
         return w.cache["aux"]
 
@@ -478,7 +469,7 @@ class LocalLossHooks(SplitClientHooks):
         if not w.streaming:   # the next message of the round rebuilds the head from here
             w.state[_STATE_AUX] = ArrayRecord({k: Array(v.detach().cpu().numpy().copy())
                                                for k, v in head.state_dict().items()})
-            w.state[_STATE_AUX_OPT] = _save_opt(head, opt)
+            w.state[_STATE_AUX_OPT] = save_opt(head, opt)
 
     def end(self, w: Worker) -> Envelope:
         head, _ = self._aux(w)

@@ -118,7 +118,7 @@ from tasks.training import (
 )
 
 from .base import BaseStrategy
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 OPT_STATE_KEY = "semifl.optimizer"   # context.state ArrayRecord: the client's SGD momentum buffers
@@ -213,7 +213,7 @@ def client_train(msg: Message, context: Context) -> Message:
     cfg = algo_config(msg, SemiFLConfig)
     conf = msg.content.config_records[CONFIG_KEY]
     task = env.task
-    rnd = int(conf["server-round"])
+    rnd = server_round(msg)
     lr = float(conf["lr"]) if "lr" in conf else task.lr
     model = env.build_model()
     load_numpy_state(model, record_to_numpy(msg.content.array_records[ARRAYS_KEY]))

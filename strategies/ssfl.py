@@ -128,7 +128,7 @@ from tasks.training import (
     trainable_keys,
 )
 
-from .client import AlgorithmClient
+from .client import AlgorithmClient, server_round
 from .registry import AlgorithmSpec, register
 
 LOCAL_STATE_KEY = "ssfl.local"   # context.state ArrayRecord: the user's BN buffers
@@ -258,7 +258,7 @@ def client_train(msg: Message, context: Context) -> Message:
     env = client_env(msg, context, label_mode="server")
     cfg = _ssfl_config(msg)
     conf = msg.content.config_records[CONFIG_KEY]
-    rnd, steps = int(conf["server-round"]), int(conf["local-steps"])
+    rnd, steps = server_round(msg), int(conf["local-steps"])
     task = env.task
     model = env.build_model()
     params = trainable_keys(model)

@@ -1,6 +1,7 @@
 """Class-imbalance-aware client sampling (Fed-CBS): the QCID measure and the sequential sampling
-probabilities, as pure numpy functions of the clients' label histograms (``strategies/fedcbs.py``
-samples with them; ``docs/baselines.md`` B3).
+probabilities, as pure numpy functions of the clients' label histograms, and the one client choice
+built on them (:func:`choose_balanced`: ``strategies/fedcbs.py`` and SCALA's CS-SFL in
+``strategies/scala.py`` sample with it; ``docs/baselines.md`` B3).
 
 Notation: ``counts[n]`` is client n's label histogram (``n_n * alpha_n``: M non-negative
 counts), ``S`` a set of clients.
@@ -25,7 +26,7 @@ counts), ``S`` a set of clients.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -123,3 +124,48 @@ def cbs_sample(counts: np.ndarray, m: int, t: int, selections: Sequence[float], 
         p = cbs_step_probabilities(c, chosen, t, selections, lam)
         chosen.append(int(rng.choice(len(c), p=p)))
     return chosen
+
+
+def balanced_sample(counts: np.ndarray, m: int, t: int, selections: Sequence[float], lam: float,
+                    rng: np.random.Generator, rule: str = "cbs") -> list[int]:
+    """``m`` distinct clients (row indices of ``counts``, in the order chosen): ``cbs`` draws them
+    by the sequential Fed-CBS probabilities (:func:`cbs_sample`); ``greedy`` takes the first
+    pick's most probable client (its UCB score) and then each time the client that minimises the
+    QCID of the set so far plus it (ties: row order)."""
+    if rule == "cbs":
+        return cbs_sample(counts, m, t, selections, lam, rng)
+    if rule != "greedy":
+        raise ValueError(f"rule must be 'cbs' or 'greedy', got {rule!r}")
+    c = _counts(counts)
+    idx: list[int] = []
+    for _ in range(m):
+        if idx:
+            free = [i for i in range(len(c)) if i not in idx]
+            idx.append(min(free, key=lambda i: (qcid(c, idx + [i]), i)))
+        else:
+            idx.append(int(np.argmax(cbs_step_probabilities(c, [], t, selections, lam))))
+    return idx
+
+
+def choose_balanced(pool: Sequence[Any], rest: Sequence[Any], k: int, counts_of: Callable[[Any], np.ndarray],
+                    t: int, selections: Sequence[float], lam: float, rng: np.random.Generator,
+                    rule: str = "cbs") -> tuple[list[Any], float | None]:
+    """The one Fed-CBS client choice of the library (Fed-CBS's sampling, SCALA's CS-SFL): ``k``
+    of ``pool`` (the clients with a label histogram ``counts_of(client)``, in partition order;
+    ``selections``: their ``T_n``) by :func:`balanced_sample`. Fewer than ``k`` in ``pool``: all
+    of them and the rest uniformly from ``rest`` (seeded by ``rng``). Returns the chosen clients
+    and the QCID of their pooled histograms (``None`` when ``pool`` was short)."""
+    if len(pool) < k:
+        extra = rng.choice(len(rest), size=k - len(pool), replace=False)
+        return list(pool) + [rest[i] for i in sorted(extra)], None
+    counts = np.stack([np.asarray(counts_of(n), dtype=np.float64) for n in pool])
+    idx = balanced_sample(counts, k, t, selections, lam, rng, rule)
+    return [pool[i] for i in idx], qcid(counts, idx)
+
+
+def count_selections(selections: dict[int, int], chosen: Sequence[int], partition_of: dict[int, int]) -> None:
+    """Add one to ``selections[partition]`` (a client's past selections, ``T_n - 1``) for every
+    chosen node with a known partition."""
+    for n in chosen:
+        if n in partition_of:
+            selections[partition_of[n]] = selections.get(partition_of[n], 0) + 1

@@ -170,6 +170,21 @@ def batch_indices(n: int, batch_size: int, steps: int, gen: torch.Generator) -> 
         yield batch_at(n, batch_size, i, perm)
 
 
+def paired_batches(n_labeled: int, n_unlabeled: int, batch_size: int, unlabeled_batch_size: int, steps: int,
+                   seed: int) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The batch indices of at most ``steps`` local steps on a labeled and an unlabeled set, the
+    loop of the semi-supervised local training (:func:`train_fixmatch`, pFedMe's): independent
+    :func:`batch_indices` cursors seeded by ``seed`` and ``seed + 1``, ``None`` for a set with
+    no batch; it stops early when neither has one."""
+    lab = iter(batch_indices(n_labeled, batch_size, steps, torch.Generator().manual_seed(seed)))
+    unl = iter(batch_indices(n_unlabeled, unlabeled_batch_size, steps, torch.Generator().manual_seed(seed + 1)))
+    for _ in range(steps):
+        il, iu = next(lab, None), next(unl, None)
+        if il is None and iu is None:
+            return
+        yield il, iu
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
@@ -261,16 +276,9 @@ def train_fixmatch(model: torch.nn.Module, labeled: ArrayDataset, unlabeled: Arr
     pseudo-labels, against the hidden labels of ``unlabeled``; NaN if none kept).
     """
     model.train()
-    gen_l = torch.Generator().manual_seed(seed)
-    gen_u = torch.Generator().manual_seed(seed + 1)
-    lab = iter(batch_indices(len(labeled), batch_size, steps, gen_l))
-    unl = iter(batch_indices(len(unlabeled), unlabeled_batch_size, steps, gen_u))
     total = kept = correct = seen_u = seen = 0.0
     with seeded(seed, device):   # augmentation and dropout draws
-        for _ in range(steps):
-            il, iu = next(lab, None), next(unl, None)
-            if il is None and iu is None:
-                break
+        for il, iu in paired_batches(len(labeled), len(unlabeled), batch_size, unlabeled_batch_size, steps, seed):
             xw = yb = yu = None
             if il is not None:
                 xb, yb = to_device_batch(labeled, il, device)
