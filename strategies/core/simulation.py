@@ -20,11 +20,10 @@ def simulated(grid: Any) -> bool:
     """Whether ``grid``'s nodes run on this machine (see the module docstring)."""
     if getattr(grid, "in_process", False) is True:
         return True
-    try:
-        from flwr.superlink.grid.inmemory_grid import InMemoryGrid
-    except ImportError:   # (a Flower without the simulation engine's grid)
-        return False
-    return isinstance(grid, InMemoryGrid)
+    # the engine's grid module is never imported here (it pulls in the SuperLink's): a grid of
+    # that class exists only where the engine has imported it
+    engine = sys.modules.get("flwr.superlink.grid.inmemory_grid")
+    return engine is not None and isinstance(grid, engine.InMemoryGrid)
 
 
 def ray_module() -> Any:
