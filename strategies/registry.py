@@ -7,7 +7,7 @@ An algorithm module registers its algorithms when it is imported, by one call at
 Every algorithm reaches the registry that way, by an ordinary import of its module:
 
 * **the library's own**: :func:`load` imports every module of the ``strategies`` package
-  (found with :func:`pkgutil.walk_packages`: adding a module adds its algorithms, no list is
+  (found from the package's folder: adding a module adds its algorithms, no list is
   edited);
 * **an installed package's**: a package declares its algorithm modules as Python entry points
   of the group :data:`ENTRY_POINT_GROUP` in its ``pyproject.toml``::
@@ -33,10 +33,10 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
-import pkgutil
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from flwr.app import Context, Message
@@ -137,11 +137,25 @@ def load() -> None:
     global _LOADED
     if _LOADED:
         return
-    _LOADED = True
-    package = sys.modules[__package__]
-    for info in pkgutil.walk_packages(package.__path__, f"{__package__}."):
-        importlib.import_module(info.name)
+    for name in _package_modules():
+        importlib.import_module(name)
     load_entry_points()
+    _LOADED = True
+
+
+def _package_modules() -> list[str]:
+    """Every module of the ``strategies`` package, from its folder's files (not through
+    :func:`pkgutil.walk_packages`, which found no module in the ClientApp process of the runtime
+    environment a SuperLink makes for a run: ``tests/test_cli_run.py``)."""
+    names: list[str] = []
+    for root in map(Path, sys.modules[__package__].__path__):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if any(not (root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
+                continue   # (a folder that is not a package)
+            names.append(".".join((__package__, *parts[:-1])) if parts[-1] == "__init__"
+                         else ".".join((__package__, *parts)))
+    return [n for n in dict.fromkeys(names) if n != __package__]
 
 
 def load_entry_points() -> list[str]:
