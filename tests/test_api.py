@@ -430,11 +430,12 @@ def test_each_strategy_class_signature_shows_the_defaults_it_runs_with():
             assert params[name].default == value, (cls.__name__, name)
         assert "options" in params   # (the task config's and the round policy's keywords)
     text = pydoc.render_doc(CSSFLStrategy, renderer=pydoc.plaintext)
+    mode = "server_mode: 'str, one of concat, per-client, sequential, local-loss' = "
     assert "algo: 'str | None' = 'cs-sfl'" in text
-    assert "server_mode='per-client'" in text and "balanced_selection=True" in text, text[:2000]
-    assert "server_mode='concat'" not in text and "balanced_selection=False" not in text
+    assert mode + "'per-client'" in text and "balanced_selection: 'bool' = True" in text, text[:2000]
+    assert mode + "'concat'" not in text and "balanced_selection: 'bool' = False" not in text
     scala = pydoc.render_doc(ScalaStrategy, renderer=pydoc.plaintext)
-    assert "server_mode='concat'" in scala and "balanced_selection=False" in scala
+    assert mode + "'concat'" in scala and "balanced_selection: 'bool' = False" in scala
 
 
 def _client_names(algo: str) -> set[str]:
