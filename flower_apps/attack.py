@@ -10,7 +10,7 @@ where no checkpoint is left), rebuilds the model and its cut from the config (``
 the model's default), takes the held-out images of the run's dataset (the library's **test
 split**, never trained on by the run; the run evaluates its accuracy on it), computes the bottom's
 activations in eval mode on the library's test view of the images, and trains the attacker of
-:mod:`tasks.inversion` (a conv decoder with 64 internal channels, after ResSFL) on one part of
+:mod:`tasks.scala.inversion` (a conv decoder with 64 internal channels, after ResSFL) on one part of
 them, picks its epoch on a second and reports MSE, SSIM and PSNR of its reconstructions on a
 third (the three parts disjoint, seeded: ``--test-fraction``, ``--val-fraction``, ``--seed``),
 beside the run's final accuracy and the trivial attacker that predicts the mean image.
@@ -24,7 +24,7 @@ A run of a full-model algorithm has no cut: pass ``--cut`` (one of the model's c
 see what its first stages would disclose; for a split run, ``--cut`` other than the run's is a
 what-if (recorded as such). ``--seed`` (the split of the images, the decoder's initialisation and
 batch order) defaults to the run's seed. As functions: :func:`attack_run` (a folder),
-:func:`attack_model` (a model and a cut) or :func:`tasks.inversion.attack` (a bottom and images).
+:func:`attack_model` (a model and a cut) or :func:`tasks.scala.inversion.attack` (a bottom and images).
 """
 from __future__ import annotations
 
@@ -70,13 +70,13 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
                **settings: Any) -> dict[str, Any]:
     """Attack the final model of run ``folder`` (see the module docstring); return the record
     written to ``attack.json`` (``write=False``: not written). ``settings``: the fields of
-    :class:`tasks.inversion.AttackConfig` (``epochs=5``, ``num_images=200``, ...)."""
+    :class:`tasks.scala.inversion.AttackConfig` (``epochs=5``, ``num_images=200``, ...)."""
     from flower_apps.config import parse_run_config
     from flower_apps.results import CONFIG, RunFolder, atomic_write_bytes
     from split_layer.cut import split_model
     from strategies.split_base import SplitStrategy
     from tasks.env import load_bundle, make_augmenter
-    from tasks.inversion import attack, attack_config
+    from tasks.scala.inversion import attack, attack_config
     from tasks.models import build_model
     from tasks.training import resolve_device
 
@@ -128,11 +128,11 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
 
 
 def attack_model(model: Any, cut: str | None, images: Any, **kw: Any) -> dict[str, Any]:
-    """:func:`tasks.inversion.attack` on the bottom of ``model`` cut after ``cut`` (a
+    """:func:`tasks.scala.inversion.attack` on the bottom of ``model`` cut after ``cut`` (a
     :class:`tasks.models.StagedModel`, or any model :func:`tasks.models.as_staged` accepts: a
     ``(bottom, top)`` pair, an ``nn.Sequential`` cut after a child); ``kw`` as for ``attack``."""
     from split_layer.cut import split_model
-    from tasks.inversion import attack
+    from tasks.scala.inversion import attack
     from tasks.models import StagedModel, as_staged
 
     try:
@@ -153,7 +153,7 @@ def summary_line(rec: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.inversion import AttackConfig
+    from tasks.scala.inversion import AttackConfig
 
     ap = argparse.ArgumentParser(prog="python -m flower_apps.attack", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,6 +1,6 @@
 """The ``label-histogram`` query: a node's class counts, asked once per node by the algorithms
 that choose or group clients by their label distribution (Fed-CBS's sampling in
-:mod:`strategies.fedcbs`, FedConcat's clustering in :mod:`strategies.fedconcat`).
+:mod:`strategies.scala.fedcbs`, FedConcat's clustering in :mod:`strategies.scala.fedconcat`).
 
 **It discloses each node's label histogram to the server.** Fed-CBS's paper protects the
 inner products with homomorphic encryption and FedConcat's offers Laplace noise; here the

@@ -1,7 +1,7 @@
 """The server side of personalised evaluation: each node's model on that node's own test split.
 
-UM-pFSSL (:mod:`strategies.umpfssl`) and its FixMatch baselines
-(:mod:`strategies.fixmatch_baselines`, :mod:`strategies.fixprox`) evaluate this way: the run's
+UM-pFSSL (:mod:`strategies.umpfssl.umpfssl`) and its FixMatch baselines
+(:mod:`strategies.umpfssl.fixmatch_baselines`, :mod:`strategies.umpfssl.fixprox`) evaluate this way: the run's
 ``accuracy`` is the mean over clients and ``client-accuracy-var`` their variance (the paper's
 fairness measure).
 

@@ -1,7 +1,7 @@
 """Class-imbalance-aware client sampling (Fed-CBS): the QCID measure and the sequential sampling
 probabilities, as pure numpy functions of the clients' label histograms, and the one client choice
-built on them (:func:`choose_balanced`: ``strategies/fedcbs.py`` and SCALA's CS-SFL in
-``strategies/scala.py`` sample with it; ``docs/baselines.md`` B3).
+built on them (:func:`choose_balanced`: ``strategies/scala/fedcbs.py`` and SCALA's CS-SFL in
+``strategies/scala/scala.py`` sample with it; ``docs/baselines.md`` B3).
 
 Notation: ``counts[n]`` is client n's label histogram (``n_n * alpha_n``: M non-negative
 counts), ``S`` a set of clients.

@@ -84,8 +84,8 @@ def test_the_library_app_is_one_user_of_the_public_api(algo):
 
 def test_keyword_constructors():
     from strategies.fedavg import FedAvgStrategy
-    from strategies.fedshvr import FedSHVRStrategy
-    from strategies.scala import ScalaStrategy
+    from strategies.fedshvr.fedshvr import FedSHVRStrategy
+    from strategies.scala.scala import ScalaStrategy
 
     s = FedAvgStrategy()                      # every argument has a default
     assert s.algo == "fedavg" and s.task.lr == 0.05
@@ -105,7 +105,7 @@ def test_keyword_constructors():
         FedAvgStrategy(lr=-1)
     with pytest.raises(ConfigError, match=r"fraction_train=1.5 is out of range; allowed \(0.0, 1.0\]"):
         FedAvgStrategy(fraction_train=1.5)
-    from strategies.ssfl import SSFLStrategy
+    from strategies.ssfl.ssfl import SSFLStrategy
     with pytest.raises(ConfigError, match="tau=2.0 is out of range"):
         SSFLStrategy(tau=2.0)
     with pytest.raises(ConfigError, match="pass your model too"):
@@ -162,7 +162,7 @@ def test_a_node_without_the_data_its_algorithm_needs_is_dropped_with_the_reason(
 
 
 def test_a_model_split_learning_cannot_cut_is_refused_by_the_constructor():
-    from strategies.scala import ScalaStrategy
+    from strategies.scala.scala import ScalaStrategy
 
     with pytest.raises(ConfigError, match="model: a split algorithm needs a StagedModel, a \\(bottom, top\\) pair"):
         ScalaStrategy(model=_Tiny(), test_data=_sets(9))
@@ -173,7 +173,7 @@ def test_a_model_split_learning_cannot_cut_is_refused_by_the_constructor():
 
 def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
     from strategies.fedavg import FedAvgClient
-    from strategies.scala import ScalaClient
+    from strategies.scala.scala import ScalaClient
 
     data = {"labeled": _sets(0)}
     split = (nn.Sequential(nn.Flatten(), nn.Linear(64, 8)), nn.Linear(8, 3))
@@ -184,17 +184,17 @@ def test_one_clientapp_for_several_algorithms_routes_by_flower_message_type():
 
 
 @pytest.mark.parametrize("build, match", [
-    (lambda: __import__("strategies.ssfl", fromlist=["x"]).SSFLStrategy(
+    (lambda: __import__("strategies.ssfl.ssfl", fromlist=["x"]).SSFLStrategy(
         model=_Tiny(), labeled_data=_sets(1), local_steps=0, local_epochs=1),
      "ssfl with your own data: set local_steps=K"),
-    (lambda: __import__("strategies.ssfl", fromlist=["x"]).SSFLStrategy(model=_Tiny(), test_data=_sets(1), local_steps=2),
+    (lambda: __import__("strategies.ssfl.ssfl", fromlist=["x"]).SSFLStrategy(model=_Tiny(), test_data=_sets(1), local_steps=2),
      r"ssfl needs labeled data on the server: labeled_data=\(x, y\)"),
-    (lambda: __import__("strategies.semisfl", fromlist=["x"]).SemiSFLStrategy(
+    (lambda: __import__("strategies.semisfl.semisfl", fromlist=["x"]).SemiSFLStrategy(
         model=(nn.Sequential(nn.Flatten(), nn.Linear(64, 8)), nn.Linear(8, 3)), test_data=_sets(1)),
      r"semisfl needs the labeled set D_l on the server: labeled_data=\(x, y\)"),
     (lambda: __import__("strategies.fedavg", fromlist=["x"]).SupervisedOnlyStrategy(model=_Tiny(), test_data=_sets(1)),
      r"supervised-only needs labeled data on the server: labeled_data=\(x, y\)"),
-    (lambda: __import__("strategies.umpfssl", fromlist=["x"]).UMPFSSLStrategy(model=_Tiny(), num_classes=3),
+    (lambda: __import__("strategies.umpfssl.umpfssl", fromlist=["x"]).UMPFSSLStrategy(model=_Tiny(), num_classes=3),
      "needs a model with dropout > 0 for MC-dropout .*model= needs an nn.Dropout layer"),
     (lambda: __import__("strategies.fedavg", fromlist=["x"]).FedAvgStrategy(
         model=_Tiny(), test_data=(np.zeros((4, 1, 8, 6), np.float32), np.zeros(4, np.int64))),
@@ -230,7 +230,7 @@ def test_nodes_without_a_partition_id_take_part_and_are_sampled():
 
 def test_metrics_against_hidden_labels_are_not_reported_for_images_without_labels():
     """A user's unlabeled images carry y = -1: no pseudo-label accuracy computed against them."""
-    from strategies.ssfl import SSFLClient, SSFLStrategy
+    from strategies.ssfl.ssfl import SSFLClient, SSFLStrategy
 
     client = SSFLClient(_Tiny(), lambda ctx: {"unlabeled": _sets(int(ctx.node_config["partition-id"]))[0]})
     s = SSFLStrategy(model=_Tiny(), labeled_data=_sets(8), test_data=_sets(9), local_steps=2, batch_size=8, tau=0.0)
@@ -386,7 +386,7 @@ def test_every_full_model_algorithm_trains_a_users_own_model_on_the_users_data(a
 # ----------------------------------------------------------------------- what help() and the docs say
 def test_a_wrong_algo_names_the_class_that_runs_it():
     from strategies.fedprox import FedProxStrategy
-    from strategies.scala import CSSFLStrategy
+    from strategies.scala.scala import CSSFLStrategy
 
     with pytest.raises(ConfigError, match=r"algo='fedlc' is not run by FedProxStrategy; it runs: fedprox; "
                                           r"algo='fedlc' is run by FedLCStrategy \(from strategies\.\S+ import "
@@ -419,7 +419,7 @@ def test_each_strategy_class_signature_shows_the_defaults_it_runs_with():
     import pydoc
 
     from strategies.registry import algorithm_names, get_algorithm
-    from strategies.scala import CSSFLStrategy, ScalaStrategy
+    from strategies.scala.scala import CSSFLStrategy, ScalaStrategy
 
     classes = {get_algorithm(n).strategy_cls for n in algorithm_names()}
     for cls in classes:

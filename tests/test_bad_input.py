@@ -505,7 +505,7 @@ def test_a_client_checks_its_data_as_the_strategies_do():
     """The sets the algorithm needs and the images are checked by the client's constructor when
     the data are given (a function of the node's Context is called at its first message)."""
     from strategies.fedavg import FedAvgClient, FedAvgStrategy
-    from strategies.ssfl import SSFLClient
+    from strategies.ssfl.ssfl import SSFLClient
 
     x, y = _shard(range(10))
     with pytest.raises(ConfigError, match="^FedAvgClient: this node has no labeled data; it needs: labeled$"):

@@ -71,8 +71,8 @@ def test_pyproject_rewrite_changes_only_the_run_config_tables(tmp_path, capsys):
 def test_an_algorithm_sharing_anothers_keys_inherits_them():
     """SCALA-PE takes SCALA's keys by inheriting ScalaConfig (declared once); its namespace lists
     them (Flower needs every key) with SCALA's defaults."""
-    from strategies.scala import ScalaConfig
-    from strategies.scala_pe import ScalaPEConfig
+    from strategies.scala.scala import ScalaConfig
+    from strategies.scala.scala_pe import ScalaPEConfig
 
     assert issubclass(ScalaPEConfig, ScalaConfig)
     own = {f.name for f in dataclasses.fields(ScalaPEConfig)} - {f.name for f in dataclasses.fields(ScalaConfig)}

@@ -1,4 +1,4 @@
-"""Fed-CBS (strategies/fedcbs.py, tasks/client_sampling.py): QCID and the sequential sampling
+"""Fed-CBS (strategies/scala/fedcbs.py, tasks/client_sampling.py): QCID and the sequential sampling
 probabilities against hand computations, balanced sets preferred, seeded and resumable
 sampling through the real ClientApp dispatch. The conformance matrix runs ``fedcbs`` under every
 condition (tests/test_conformance.py, from the registry)."""
@@ -218,7 +218,7 @@ def test_a_node_without_a_histogram_is_sampled_only_to_fill(caplog):
 
 def test_bad_lambda_is_a_config_error_naming_the_key():
     from flower_apps.config import parse_run_config
-    from strategies.fedcbs import FedCBSStrategy
+    from strategies.scala.fedcbs import FedCBSStrategy
     from tests.test_conformance import config
 
     with pytest.raises(ConfigError, match="ucb-lambda"):

@@ -1,4 +1,4 @@
-"""FedConcat (strategies/fedconcat.py, tasks/fedconcat_model.py, tasks/kmeans.py): the concatenated
+"""FedConcat (strategies/scala/fedconcat.py, tasks/scala/fedconcat_model.py, tasks/scala/kmeans.py): the concatenated
 model and its head initialisation against hand computations, K-means (and its size cap) on a
 hand-checkable example, the stage switch, each stage's aggregation rule, resume across the stage
 boundary, and a user's own model. The conformance matrix runs it under every condition
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tasks.config import ConfigError
-from tasks.fedconcat_model import ConcatModel, check_split, concat_heads, head_keys, strip_head
-from tasks.kmeans import kmeans, nearest, size_cap
+from tasks.scala.fedconcat_model import ConcatModel, check_split, concat_heads, head_keys, strip_head
+from tasks.scala.kmeans import kmeans, nearest, size_cap
 
 
 def _mlp(seed: int) -> nn.Module:
@@ -103,7 +103,7 @@ def _sets(seed: int, n: int = 24, classes=(0, 1, 2)):
 
 
 def test_a_model_whose_output_is_not_its_last_linear_is_a_clear_config_error():
-    from strategies.fedconcat import FedConcatStrategy
+    from strategies.scala.fedconcat import FedConcatStrategy
 
     x = torch.zeros(2, 1, 8, 8)
     assert check_split(_Net(), x) == (256, 3)
@@ -311,7 +311,7 @@ def test_a_users_own_model_and_data():
     """FedConcatStrategy / FedConcatClient with a model of the user's (head ``fc``, BatchNorm in
     the encoder) and nodes holding different classes: two clusters, a concatenated model out."""
     from split_layer.transport import LocalGrid
-    from strategies.fedconcat import FedConcatClient, FedConcatStrategy
+    from strategies.scala.fedconcat import FedConcatClient, FedConcatStrategy
 
     classes = {0: (0, 1), 1: (0, 1), 2: (2,), 3: (2,)}
     client = FedConcatClient(_Net(), lambda ctx: {

@@ -1,4 +1,4 @@
-"""FedMatch (strategies/fedmatch.py, tasks/fedmatch_decomp.py): the decomposition theta = sigma +
+"""FedMatch (strategies/semisfl/fedmatch.py, tasks/semisfl/fedmatch_decomp.py): the decomposition theta = sigma +
 psi, the disjoint server and client steps, the agreement vote and the KL consistency term, the
 sparse psi upload and the helper choice, each against a hand computation; helpers through the
 real message path and a resume with helpers. The conformance matrix runs ``fedmatch`` under
@@ -17,7 +17,7 @@ from torch import nn
 from tasks.augment import Augmenter
 from tasks.config import ConfigError
 from tasks.data import ArrayDataset
-from tasks.fedmatch_decomp import (
+from tasks.semisfl.fedmatch_decomp import (
     agreement_labels,
     client_steps,
     compose_model,
@@ -71,7 +71,7 @@ def test_kernels_are_found_by_module_type_and_the_split_is_exact():
         assert torch.equal(sigma + psi, theta)                        # bit for bit: the model given is theta
         assert torch.allclose(psi, factor * sigma, rtol=1e-5, atol=1e-37)
     # the strategy: sigma in the model, psi 0.2 sigma, and the evaluated model is the one given
-    from strategies.fedmatch import FedMatchStrategy
+    from strategies.semisfl.fedmatch import FedMatchStrategy
     s = FedMatchStrategy(model=net, labeled_data=_sets(1), test_data=_sets(2), local_steps=1, batch_size=8)
     given = net.state_dict()
     got = s.eval_model().state_dict()
@@ -82,7 +82,7 @@ def test_kernels_are_found_by_module_type_and_the_split_is_exact():
 
 
 def test_a_model_without_conv_or_linear_is_refused_by_the_constructor():
-    from strategies.fedmatch import FedMatchStrategy
+    from strategies.semisfl.fedmatch import FedMatchStrategy
 
     class NoKernel(nn.Module):
         def __init__(self):
@@ -145,7 +145,7 @@ def test_a_server_step_changes_only_sigma_and_a_client_step_only_psi():
 
 
 def test_norm_affine_frozen_leaves_the_bn_parameters_out_of_the_server_step():
-    from strategies.fedmatch import FedMatchStrategy
+    from strategies.semisfl.fedmatch import FedMatchStrategy
     s = FedMatchStrategy(model=_Net(), labeled_data=_sets(1), test_data=_sets(2), norm_affine="frozen")
     names = {id(p): k for k, p in s.model.named_parameters()}
     assert sorted(names[id(p)] for p in s.sigma_params) == ["conv.bias", "conv.weight", "fc.bias", "fc.weight"]
@@ -243,7 +243,7 @@ def test_helpers_travel_in_helper_rounds_and_are_the_nearest_clients(monkeypatch
     counted as ``bytes.helpers.down``; the psi upload is counted as ``psi-sparse``. With the
     nodes' consent their pseudo-label counts reach the server."""
     from strategies.core.records import LABEL_CONSENT_ENV
-    from strategies.fedmatch import HELPERS_KEY
+    from strategies.semisfl.fedmatch import HELPERS_KEY
 
     monkeypatch.setenv(LABEL_CONSENT_ENV, "1")
     s, grid = _build()

@@ -1,4 +1,4 @@
-"""Fed-SHVR (strategies/fedshvr.py): the reconstructed [D] formulas, checked numerically
+"""Fed-SHVR (strategies/fedshvr/fedshvr.py): the reconstructed [D] formulas, checked numerically
 through the strategy's own rule functions, and its server + client driven in-process by a
 fake Grid (no Ray). The closed form itself, FedNova and the correction primitive are
 tested in test_losses.py / test_aggregate.py; here they are checked as the strategy uses them.

@@ -1,4 +1,4 @@
-"""FedSwitch (strategies/fedswitch.py, tasks/fedswitch_rule.py): the switch (which source for
+"""FedSwitch (strategies/semisfl/fedswitch.py, tasks/semisfl/fedswitch_rule.py): the switch (which source for
 given logits, the tie, the iid flag), one client step with local teacher adaptation, the
 server's EMA steps and the aggregation's EMA, each against a hand computation; the client
 keeps nothing between rounds; the teacher travels and is counted. The conformance matrix runs
@@ -16,7 +16,7 @@ from torch import nn
 from strategies.core.records import ARRAYS_KEY, METRICS_KEY, numpy_to_record
 from tasks.config import ConfigError
 from tasks.data import ArrayDataset
-from tasks.fedswitch_rule import choose_source, fedswitch_step, mean_confidence, server_steps
+from tasks.semisfl.fedswitch_rule import choose_source, fedswitch_step, mean_confidence, server_steps
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -166,7 +166,7 @@ def _sets(seed: int, n: int = 12):
 
 
 def test_aggregation_is_the_uniform_mean_then_one_ema_step_by_hand():
-    from strategies.fedswitch import FedSwitchStrategy
+    from strategies.semisfl.fedswitch import FedSwitchStrategy
 
     s = FedSwitchStrategy(model=_Tiny(), labeled_data=_sets(0), test_data=_sets(1), ema_decay=0.75)
     t0 = {k: v.detach().cpu().numpy().copy() for k, v in s.teacher.state_dict().items()}
@@ -240,7 +240,7 @@ def test_iid_flag_gives_a_teacher_share_of_one():
 
 
 def test_bad_input_names_the_key():
-    from strategies.fedswitch import FedSwitchStrategy
+    from strategies.semisfl.fedswitch import FedSwitchStrategy
 
     with pytest.raises(ConfigError, match="tau=2.0 is out of range"):
         FedSwitchStrategy(tau=2.0)

@@ -1,4 +1,4 @@
-"""The evaluation inversion attacker (tasks.inversion), its command (flower_apps.attack) and the
+"""The evaluation inversion attacker (tasks.scala.inversion), its command (flower_apps.attack) and the
 report tool's attack columns (flower_apps.report)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tasks.config import ConfigError
-from tasks.inversion import (
+from tasks.scala.inversion import (
     AttackConfig,
     attack,
     attack_config,
@@ -149,7 +149,7 @@ def test_the_attacker_inverts_an_identity_like_cut_and_not_a_blind_one():
 
 
 def test_a_flat_activation_and_an_odd_size_are_decoded_to_the_image_size():
-    from tasks.inversion import InversionDecoder
+    from tasks.scala.inversion import InversionDecoder
 
     assert InversionDecoder((10,), (1, 28, 28), 8, 0)(torch.randn(2, 10)).shape == (2, 1, 28, 28)
     d = InversionDecoder((5, 5, 5), (3, 28, 28), 8, 1)

@@ -1,5 +1,5 @@
-"""UM-pFSSL's Table 1 baseline rows (strategies/fedbn.py, lgfedavg.py, pfedme.py,
-supervised_refs.py; the modes' client in strategies/fixmatch_baselines.py): each defining rule
+"""UM-pFSSL's Table 1 baseline rows (strategies/umpfssl/fedbn.py, lgfedavg.py, pfedme.py,
+supervised_refs.py; the modes' client in strategies/umpfssl/fixmatch_baselines.py): each defining rule
 against a hand computation or an independent numpy formula. The conformance matrix runs every
 name under every condition (tests/test_conformance.py)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 
 from split_layer.transport import LocalGrid
 from tasks.config import ConfigError
-from tasks.pfedme import moreau_inner_steps, moreau_outer_step
+from tasks.umpfssl.pfedme_update import moreau_inner_steps, moreau_outer_step
 
 
 def _round(algo: str, rounds: int = 1, **over):
@@ -35,7 +35,7 @@ def _np(rec) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------------- FedBN
 def test_fedbn_keeps_every_batchnorm_entry_on_its_node_and_averages_the_rest_uniformly():
-    from strategies.fixmatch_baselines import STATE_BN, batchnorm_keys
+    from strategies.umpfssl.fixmatch_baselines import STATE_BN, batchnorm_keys
 
     s, grid, init, replies = _round("fixbn")
     bn = set(batchnorm_keys(s.model))
@@ -98,7 +98,7 @@ def test_fedbn_round_two_starts_from_the_nodes_own_bn():
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
     from strategies.core.records import model_to_record
-    from strategies.fixmatch_baselines import STATE_BN, batchnorm_keys, load_personal
+    from strategies.umpfssl.fixmatch_baselines import STATE_BN, batchnorm_keys, load_personal
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
@@ -121,7 +121,7 @@ def test_fedbn_round_two_starts_from_the_nodes_own_bn():
 
 
 def test_fedbn_refuses_a_model_without_batchnorm():
-    from strategies.fedbn import FixBNStrategy
+    from strategies.umpfssl.fedbn import FixBNStrategy
 
     net = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
     x = np.zeros((6, 1, 4, 4), np.uint8)
@@ -131,8 +131,8 @@ def test_fedbn_refuses_a_model_without_batchnorm():
 
 # ----------------------------------------------------------------------------------- LG-FedAvg
 def test_lg_fedavg_uploads_only_the_head_and_keeps_the_body():
-    from strategies.fixmatch_baselines import STATE_BODY
-    from strategies.fixmatch_baselines import head_keys
+    from strategies.umpfssl.fixmatch_baselines import STATE_BODY
+    from strategies.umpfssl.fixmatch_baselines import head_keys
 
     s, grid, init, replies = _round("lg-fedavg-fix")
     head = set(head_keys(s.model))
@@ -187,7 +187,7 @@ def test_pfedme_inner_and_outer_steps_match_a_hand_computation():
 def test_pfedme_with_lambda_large_theta_stays_at_w_and_server_beta_mixes():
     """The proximal pull: a huge lambda (with plr lambda < 1) keeps theta near w; the server's
     beta: w <- (1 - beta) w + beta * mean, checked on a user's model."""
-    from strategies.pfedme import PFedMeStrategy
+    from strategies.umpfssl.pfedme import PFedMeStrategy
 
     theta = nn.Linear(2, 1, bias=False)
     w = theta.weight.detach().clone()
@@ -232,7 +232,7 @@ def _sets(seed: int, n: int):
 
 
 def _sl_run(data_of, algo="fedavg-sl"):
-    from strategies.supervised_refs import FedAvgSLClient, FedAvgSLStrategy, FedProxSLStrategy
+    from strategies.umpfssl.supervised_refs import FedAvgSLClient, FedAvgSLStrategy, FedProxSLStrategy
 
     cls = {"fedavg-sl": FedAvgSLStrategy, "fedprox-sl": FedProxSLStrategy}[algo]
     torch.manual_seed(0)
@@ -261,7 +261,7 @@ def test_sl_trains_on_the_unlabeled_splits_true_labels(algo):
 
 
 def test_sl_refuses_unlabeled_images_without_labels():
-    from strategies.fixmatch_baselines import fully_labeled
+    from strategies.umpfssl.fixmatch_baselines import fully_labeled
     from tasks.env import Env, NodeData
     from tasks.config import TaskConfig
 
@@ -274,7 +274,7 @@ def test_sl_refuses_unlabeled_images_without_labels():
 def test_sl_on_the_librarys_data_uses_the_plans_hidden_labels(monkeypatch):
     """fedbn-sl through the library's app: the data each node trains on is its labeled split
     plus its unlabeled split with the plan's true labels, n_k = both."""
-    import strategies.fixmatch_baselines as fb
+    import strategies.umpfssl.fixmatch_baselines as fb
 
     seen = []
     real = fb.train_supervised

@@ -37,7 +37,7 @@ def _uncut_node(msg, context):
 
 
 def _split_strategy(**kw):
-    from strategies.scala import ScalaStrategy
+    from strategies.scala.scala import ScalaStrategy
 
     split = (nn.Sequential(nn.Flatten(), nn.Linear(64, 8)), nn.Linear(8, 3))
     return ScalaStrategy(model=split, test_data=_sets(9), min_nodes=2, split_transport="message",

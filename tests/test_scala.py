@@ -1,5 +1,5 @@
 """SCALA's formulas (the paper's Sec. 3.2-3.3, Algorithm 1, Eqs. 3-13; P_s, P_k and G_k's
-normalisation as strategies/scala.py chooses them) against the implementation."""
+normalisation as strategies/scala/scala.py chooses them) against the implementation."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ from flower_apps.config import parse_run_config
 from flower_apps.simulate import fused_run_config
 from strategies.core.round_policy import RoundPolicy
 from strategies.registry import get_algorithm
-from strategies.scala import ScalaStrategy, batch_shares
+from strategies.scala.scala import ScalaStrategy, batch_shares
 from tasks.config import ConfigError
 from tasks.losses import logit_adjusted_ce
 

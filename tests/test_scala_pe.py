@@ -1,4 +1,4 @@
-"""SCALA-PE (strategies/scala_pe.py) and the VGG-11 bottleneck family (tasks/models.py):
+"""SCALA-PE (strategies/scala/scala_pe.py) and the VGG-11 bottleneck family (tasks/models.py):
 the client objective f_k = L_k + gamma * Rq against hand computations and finite differences,
 the bottleneck shapes, and scala-pe with gamma = 0 == scala to the last bit."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flower_apps.simulate import fused_run_config
 from split_layer.cut import split_model
 from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
-from strategies.scala_pe import (
+from strategies.scala.scala_pe import (
     SimulatedInverter,
     batch_ssim,
     client_objective,
@@ -76,8 +76,8 @@ def test_inversion_term_by_hand():
 
 
 def test_batch_ssim_is_the_attackers_ssim_with_same_padding():
-    """The training loop's separable float32 SSIM = tasks.inversion.ssim(padding='same') (pytorch_ssim's)."""
-    from tasks.inversion import ssim
+    """The training loop's separable float32 SSIM = tasks.scala.inversion.ssim(padding='same') (pytorch_ssim's)."""
+    from tasks.scala.inversion import ssim
 
     g = torch.Generator().manual_seed(2)
     x = torch.rand(3, 2, 14, 14, generator=g)

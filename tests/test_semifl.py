@@ -1,4 +1,4 @@
-"""SemiFL (strategies/semifl.py, tasks/semifl_losses.py): each defining rule against a hand
+"""SemiFL (strategies/semisfl/semifl.py, tasks/semisfl/semifl_losses.py): each defining rule against a hand
 computation (the fix + mix loss, the global-momentum update, the fix-set threshold, sBN), then
 rounds through the real ClientApp dispatch with clients that do train (tau = 0: the conformance
 matrix's tiny runs leave every fix set empty, so its conditions are rerun here with training on)."""
@@ -13,7 +13,7 @@ from torch import nn
 
 from strategies.core.records import ARRAYS_KEY, METRICS_KEY
 from tasks.data import ArrayDataset
-from tasks.semifl_losses import (
+from tasks.semisfl.semifl_losses import (
     ClippedSGD,
     fix_mix_loss,
     fix_set,
@@ -179,7 +179,7 @@ def _spy(grid):
 def test_server_update_is_global_momentum_over_the_uploads(monkeypatch):
     """Two rounds with the server's fine-tuning switched off: the global parameters are
     w <- w - v, v <- 0.5 v + (w - mean of the uploads), from the uploads the clients really sent."""
-    from strategies.semifl import SemiFLStrategy
+    from strategies.semisfl.semifl import SemiFLStrategy
     from tests.test_conformance import build, run
 
     monkeypatch.setattr(SemiFLStrategy, "server_stage", lambda self, rnd, lr, tag: {"train-loss": 0.0})
@@ -224,7 +224,7 @@ def test_a_client_with_no_confident_sample_skips_and_sends_nothing_up():
 def test_clients_keep_their_momentum_and_server_first_trains_before_round_one():
     """With tau = 0 every client trains and stores its SGD momentum (node state); with
     server-first the weights sent in round 1 are no longer the initial ones."""
-    from strategies.semifl import OPT_STATE_KEY
+    from strategies.semisfl.semifl import OPT_STATE_KEY
     from tests.test_conformance import build, run
 
     s, grid = build("semifl", **TRAIN, **{"semifl.server-first": True})
@@ -261,7 +261,7 @@ def test_conformance_conditions_with_training_clients(condition, monkeypatch, tm
 
 
 def test_bad_knob_values_name_the_key():
-    from strategies.semifl import SemiFLStrategy
+    from strategies.semisfl.semifl import SemiFLStrategy
     from tasks.config import ConfigError
 
     with pytest.raises(ConfigError, match="tau=1.5 is out of range"):

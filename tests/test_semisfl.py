@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.semisfl import SemiSFLConfig, semisfl_server
-from tasks.semisfl_server import HIDDEN_LABELS, STUDENT, TEACHER, KsController, milestone_period
+from strategies.semisfl.semisfl import SemiSFLConfig, semisfl_server
+from tasks.semisfl.server_core import HIDDEN_LABELS, STUDENT, TEACHER, KsController, milestone_period
 from tasks.config import ConfigError, parse_dataclass
 from tasks.data import ArrayDataset
 from tasks.models import build_model
@@ -107,7 +107,7 @@ def test_cross_iteration_matches_formulas_and_routes_gradients():
         teach = {n: torch.softmax(s.t_top(pl[n][TEACHER]), 1) for n in pl}
         tz = {n: s.t_proj(pl[n][TEACHER]) for n in pl}
     qz, qy, qc = s.queue.tensors()
-    for n in pl:  # the barrier's teacher features are enqueued before C (strategies/semisfl.py)
+    for n in pl:  # the barrier's teacher features are enqueued before C (strategies/semisfl/semisfl.py)
         conf, yhat = teach[n].max(1)
         qz, qy, qc = torch.cat([qz, tz[n]]), torch.cat([qy, yhat]), torch.cat([qc, conf])
     exp_grad_e, top_g, proj_g, masks = {}, [torch.zeros_like(p) for p in top0], [torch.zeros_like(p) for p in proj0], []

@@ -19,7 +19,7 @@ from split_layer import stream as stream_mod
 from strategies.core.round_policy import RoundPolicy
 from split_layer.stream import StreamOptions
 from split_layer.transport import LocalGrid
-from strategies.semisfl import PL_COUNTS
+from strategies.semisfl.semisfl import PL_COUNTS
 
 K = 3
 # only sizes are shrunk; every privacy-relevant key keeps its default (semisfl.hidden-label-metrics=true)

@@ -17,7 +17,7 @@ from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from split_layer.worker import batch_seed, forward_seed
 from strategies.registry import get_algorithm
-from strategies.scala import AUX_HEAD, CSSFLStrategy, ScalaStrategy, SFLLocalLossStrategy, batch_shares, make_aux_head
+from strategies.scala.scala import AUX_HEAD, CSSFLStrategy, ScalaStrategy, SFLLocalLossStrategy, batch_shares, make_aux_head
 from tasks.aggregate import weighted_mean
 from tasks.config import ConfigError
 from tasks.env import library_env

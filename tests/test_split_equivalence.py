@@ -34,7 +34,7 @@ from split_layer.cut import (
 from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
 from split_layer.worker import batch_seed, forward_seed, seeded
-from strategies.scala import batch_shares
+from strategies.scala.scala import batch_shares
 from tasks.aggregate import weighted_mean
 from tasks.env import library_env
 from tasks.losses import logit_adjusted_ce

@@ -24,7 +24,7 @@ from split_layer.validation import (
 from tasks.training import batch_at, batch_indices, seeded_perms
 from tests.faulty_grid import RecordingGrid
 from tests.split_faults import fail_at
-from strategies.scala import ScalaStrategy
+from strategies.scala.scala import ScalaStrategy
 
 I = 2
 

@@ -164,7 +164,7 @@ def test_a_node_joining_late_gets_a_session_at_the_next_round(monkeypatch):
 
 def test_the_server_dies_mid_round_every_clientapp_ends_and_resume_matches(tmp_path, monkeypatch):
     from flower_apps import server_app
-    from strategies.scala import ScalaStrategy
+    from strategies.scala.scala import ScalaStrategy
 
     cfg = {**fused_run_config([BASE]), "num-rounds": 3, "split-transport": "stream", "split-stream-session": "run",
            "results-dir": str(tmp_path), "round-timeout": 30.0}

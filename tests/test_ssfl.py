@@ -1,4 +1,4 @@
-"""SSFL (strategies/ssfl.py) against the paper's formulas (Sec. 3.3 Eqs. 3-6, Sec. 4.2 Eq. 7,
+"""SSFL (strategies/ssfl/ssfl.py) against the paper's formulas (Sec. 3.3 Eqs. 3-6, Sec. 4.2 Eq. 7,
 Appendix A.3 Eq. 10)."""
 import math
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flower_apps.config import parse_run_config
-from strategies.ssfl import (
+from strategies.ssfl.ssfl import (
     SSFLConfig,
     SSFLStrategy,
     lr_function,
@@ -215,7 +215,7 @@ def test_config_errors_name_the_key():
 def test_user_period_reports_the_class_histogram_of_its_confident_pseudo_labels():
     """``pseudo-hist`` counts the kept (confident) pseudo-labels per class, from the model's own
     predictions (no true label): a one-class collapse shows as one non-zero bin."""
-    from strategies.ssfl import train_unlabeled
+    from strategies.ssfl.ssfl import train_unlabeled
     from tasks.data import ArrayDataset
 
     class Ident:
@@ -252,7 +252,7 @@ def test_a_period_without_a_confident_pseudo_label_reports_no_train_loss():
 def test_warm_start_trains_the_server_before_round_one_and_users_start_from_it(monkeypatch):
     """``ssfl.warm-start-steps=W``: W labeled steps of the server before round 1 (constant lr),
     evaluated (``warm-accuracy``), and round 1's users receive that warm model; 0 = cold."""
-    import strategies.ssfl as ss
+    import strategies.ssfl.ssfl as ss
     from tests.test_conformance import build, run
 
     calls = []
@@ -300,7 +300,7 @@ def test_round_reports_the_per_class_histogram_of_confident_pseudo_labels(monkey
 def test_users_folded_in_any_arrival_order_equal_the_stacked_rules(groups):
     """The round folds each user as its reply arrives: in any order, the server and
     group models and the diversity equal Eq. 5 / Eq. 6 and Eq. 7 on the stacked users."""
-    from strategies.ssfl import UsersFold
+    from strategies.ssfl.ssfl import UsersFold
     from tasks.aggregate import grouped_average, mean_including_server, state_delta, weight_diversity
 
     rng = np.random.default_rng(5)

@@ -1,5 +1,5 @@
-"""The SSFL benchmark's supervised references (strategies/elastic.py: EASGD, OverlapSGD;
-strategies/datasharing.py: DataSharing): each one's defining rule against a hand computation,
+"""The SSFL benchmark's supervised references (strategies/ssfl/elastic.py: EASGD, OverlapSGD;
+strategies/ssfl/datasharing.py: DataSharing): each one's defining rule against a hand computation,
 through the real ClientApp dispatch where the rule lives on the nodes. The conformance matrix
 runs all three under every condition (tests/test_conformance.py, from the registry)."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _state(model) -> dict[str, np.ndarray]:
 def test_easgd_elastic_step_by_hand():
     """Two workers, a 2-vector: x_i <- x_i - a (x_i - z), z <- z + a sum_i (x_i - z) with the
     PRE-update x_i, numbers worked out by hand (a = 0.45 = 0.9 / 2)."""
-    from strategies.elastic import easgd_centre, easgd_worker
+    from strategies.ssfl.elastic import easgd_centre, easgd_worker
 
     z = {"w": np.array([1.0, 0.0], np.float32)}
     x1 = {"w": np.array([3.0, 2.0], np.float32)}
@@ -55,7 +55,7 @@ def test_easgd_round_through_the_nodes_matches_the_hand_rule(monkeypatch):
     """A real round with two nodes (ClientApp dispatch, node state): after the period each node
     keeps x_i = (z + d_i) - a d_i and the server's centre is z + a (d_1 + d_2), a = 0.9 / 2; the
     next round starts each node from its own kept x_i, not from the centre."""
-    import strategies.elastic as el
+    import strategies.ssfl.elastic as el
     from tests.test_conformance import build
 
     shift = {0: 0.5, 1: -0.1}
@@ -103,7 +103,7 @@ def test_easgd_unstable_moving_rate_is_a_config_error():
 def test_overlap_worker_step_by_hand():
     """x <- (1 - a) x + a z; v <- gmf v + (z - x)/lr; contribution z - lr v (scalars by hand:
     a = 0.6, gmf = 0.7, lr = 0.5)."""
-    from strategies.elastic import overlap_anchor, overlap_worker
+    from strategies.ssfl.elastic import overlap_anchor, overlap_worker
 
     x, z, v = {"w": np.array([2.0], np.float32)}, {"w": np.array([1.0], np.float32)}, {"w": np.array([0.4])}
     pulled, new_v, contrib = overlap_worker(x, v, z, pull=0.6, gmf=0.7, lr=0.5)
@@ -122,7 +122,7 @@ def test_overlapsgd_pulls_toward_the_previous_rounds_anchor(monkeypatch):
     shift d_i. The anchor sent in round r is the mean of round r-1's contributions (one period
     stale), and the whole recursion (pull, anchor momentum, all-reduce) equals an independent
     numpy rollout; a non-stale variant (pulling toward this round's mean) ends elsewhere."""
-    import strategies.elastic as el
+    import strategies.ssfl.elastic as el
     from tests.test_conformance import build
 
     shift = {0: 0.3, 1: -0.1}
@@ -179,11 +179,11 @@ def test_overlapsgd_pulls_toward_the_previous_rounds_anchor(monkeypatch):
 
 # ----------------------------------------------------------------------------------- DataSharing
 def test_shared_data_dilutes_r_as_the_formula_says():
-    """R(D_k + G_k) = R_priv n_priv / (n_priv + alpha |G|) (derived in strategies/datasharing.py) for class-balanced
+    """R(D_k + G_k) = R_priv n_priv / (n_priv + alpha |G|) (derived in strategies/ssfl/datasharing.py) for class-balanced
     shares: two nodes with class counts (8, 2) and (2, 8), R_priv = 0.6; each gets 4 of the 8
     samples of a balanced G (alpha = 0.5): R = 0.6 * 10/14, by the library's R metric on the
     merged counts; and alpha_for_target inverts it."""
-    from strategies.datasharing import alpha_for_target, merged_r
+    from strategies.ssfl.datasharing import alpha_for_target, merged_r
     from tasks.partition.metrics import r_metric
 
     hist = np.array([[8, 2], [2, 8]])
@@ -224,7 +224,7 @@ def test_each_node_gets_its_share_once_and_again_after_losing_it():
     """G_k travels in a node's first training message only (byte kind shared-data, counted in
     round 1 alone), the node trains on |D_k| + |G_k| samples (its FedAvg weight), and a node whose
     state was lost fails one round and receives its share again with its next message."""
-    from strategies.datasharing import SHARED_KEY, STATE_KEY, share_indices
+    from strategies.ssfl.datasharing import SHARED_KEY, STATE_KEY, share_indices
     from tests.test_conformance import build
 
     s, grid = build("datasharing", **{"datasharing.alpha": 0.25})

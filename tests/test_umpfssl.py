@@ -14,9 +14,9 @@ from flwr.supercore.task_identity import TaskIdentity
 from flower_apps.client_app import dispatch
 from strategies.core.round_policy import RoundPolicy
 from strategies.registry import get_algorithm
-from strategies.umpfssl import UMPFSSLConfig
+from strategies.umpfssl.umpfssl import UMPFSSLConfig
 from tasks.config import ConfigError, TaskConfig
-from tasks.helper_selection import cost2, refresh_ids, replace_helpers
+from tasks.umpfssl.helper_selection import cost2, refresh_ids, replace_helpers
 from tasks.mc_dropout import CORR_FLOOR, mc_dropout_predict, normalized_entropy, relation_score, select_pseudo_labels
 from tests.faulty_grid import RecordingGrid
 

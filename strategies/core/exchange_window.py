@@ -62,8 +62,11 @@ class ExchangeWindow:
 
     def common_failure(self) -> str | None:
         """The error every node sent an instruction this round answered, where they all answered
-        the same one (``None``: a node succeeded, was late, or failed differently)."""
-        if not self.sent or not self.sent <= set(self.errors):
+        the same one and there were at least ``min-nodes`` of them (``None``: a node succeeded,
+        was late or failed differently, or the round stopped asking nodes before ``min-nodes``
+        had been asked, as SplitFed V2's sequential visits do after one failure)."""
+        if (not self.sent or len(self.sent) < self.strategy.policy.min_nodes
+                or not self.sent <= set(self.errors)):
             return None
         reasons = {self.errors[n] for n in self.sent}
         return reasons.pop() if len(reasons) == 1 else None

@@ -17,8 +17,8 @@ Flower's evaluate hooks (``configure_evaluate``/``aggregate_evaluate``) and on t
 What a round trains is a subclass's (:class:`strategies.base.BaseStrategy`: FedAvg as a fold).
 Faults: an error reply or a node past its timeout is dropped from the round (logged, the
 round's ``dropped``); a round with fewer than ``min-nodes`` usable replies is skipped; a round
-in which every node sent an instruction failed with the same error stops the run with that
-error (:class:`RoundFailedError`): a setup error every node meets is not a fault to tolerate.
+in which every node sent an instruction (at least ``min-nodes`` of them) failed with the same
+error stops the run with that error (:class:`RoundFailedError`): a setup error every node meets is not a fault to tolerate.
 """
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ from flwr.app import Context
 from own_model.task import SmallCNN, node_shard, split_pair
 from strategies.client import client_app
 from strategies.fedavg import FedAvgClient
-from strategies.fedshvr import FedSHVRClient
-from strategies.scala import ScalaClient
-from strategies.semisfl import SemiSFLClient
-from strategies.ssfl import SSFLClient
-from strategies.umpfssl import UMPFSSLClient
+from strategies.fedshvr.fedshvr import FedSHVRClient
+from strategies.scala.scala import ScalaClient
+from strategies.semisfl.semisfl import SemiSFLClient
+from strategies.ssfl.ssfl import SSFLClient
+from strategies.umpfssl.umpfssl import UMPFSSLClient
 
 
 def shard(context: Context):

@@ -17,11 +17,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from own_model.task import SmallCNN, server_labeled, split_pair, test_set
 from strategies.fedavg import FedAvgStrategy
-from strategies.fedshvr import FedSHVRStrategy
-from strategies.scala import ScalaStrategy
-from strategies.semisfl import SemiSFLStrategy
-from strategies.ssfl import SSFLStrategy
-from strategies.umpfssl import UMPFSSLStrategy
+from strategies.fedshvr.fedshvr import FedSHVRStrategy
+from strategies.scala.scala import ScalaStrategy
+from strategies.semisfl.semisfl import SemiSFLStrategy
+from strategies.ssfl.ssfl import SSFLStrategy
+from strategies.umpfssl.umpfssl import UMPFSSLStrategy
 from tasks.augment import Augmenter
 from tasks.models import as_staged
 

@@ -1,0 +1,1 @@
+"""SCALA (split federated learning with concatenated activations and logit adjustments), SCALA-PE, and the baselines of its tables: SplitFed V1/V2, CA-SFL, LLA-SFL, SFL with a local loss, CS-SFL, Fed-CBS and FedConcat."""

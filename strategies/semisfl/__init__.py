@@ -1,0 +1,1 @@
+"""Semi-SFL (Sun et al., "Semi-Supervised Split Federated Learning for Heterogeneous Participants") and the baselines of its tables: FedMatch, FedSwitch and SemiFL with labels at the server (Semi-SFL Tables II, IV, V)."""

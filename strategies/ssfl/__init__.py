@@ -1,0 +1,1 @@
+"""The SSFL benchmark (Zhang et al., "Benchmarking Semi-supervised Federated Learning"): FixMatch-style training with labels at the server, and its supervised references (DataSharing, EASGD, Overlap Local-SGD; Tables 3-4)."""

@@ -1,0 +1,1 @@
+"""UM-pFSSL (personalized federated semi-supervised learning with MC-dropout uncertainty and helper selection) and the baselines of its tables: FixAvg, FedPer, local-only, FixBN, LG-FedAvg, FixProx, pFedMe (all with FixMatch) and the supervised references."""

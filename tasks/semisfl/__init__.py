@@ -1,0 +1,1 @@
+"""Plain-torch parts of Semi-SFL and its baselines: the server-side core (teacher, clustering regularization, K_s controller), FedSwitch's switching rule, FedMatch's parameter decomposition and SemiFL's losses. No Flower."""
