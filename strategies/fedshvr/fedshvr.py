@@ -145,7 +145,7 @@ STATE_INFO = "fedshvr-info"     # ConfigRecord: {"trained-round": t-1}
 class FedSHVRConfig:
     """Fed-SHVR knobs (``fedshvr.<key>``); defaults are the paper's MNIST settings (its Sec. V)."""
 
-    alpha0: float = knob(1.0, lo=0.0, help="final weight of the unlabeled loss (ramped, spec §5 [R])")
+    alpha0: float = knob(1.0, lo=0.0, help="final weight of the unlabeled loss (ramped; docs/fedshvr.md)")
     alpha1: float = knob(0.75, lo=0.0, help="r1 weight: soft-label sharpening T = alpha1/alpha0 (0 = hard labels)")
     alpha2: float = knob(0.1, lo=0.0, help="r2 weight: confidence penalty KL(f(u)||uniform) on unlabeled inputs")
     rampup_epochs: float = knob(50.0, lo=0.0, help="alpha0 Gaussian ramp length in local epochs (0 = no ramp)")

@@ -145,7 +145,7 @@ class ScalaConfig:
                             help="concat (SCALA, CA-SFL) | per-client (SplitFedV1, LLA-SFL) | sequential (SplitFedV2) "
                                  "| local-loss (SFLLocalLoss: clients train on an auxiliary head, no gradients sent)")
     logit_adjust: bool = knob(True, help="g_bal with P_s (server) and P_k (client gradients)")
-    prior: str = knob("histogram", choices=("histogram", "batch"), help="source of P_s and P_k (spec 8.1)")
+    prior: str = knob("histogram", choices=("histogram", "batch"), help="source of P_s and P_k, the logit adjustments' label priors (docs/split.md)")
     balanced_selection: bool = knob(False, help="class-balanced client selection by the QCID of the sampled "
                                                 "clients' pooled label histograms (CS-SFL; any server mode)")
     selection_rule: str = knob("cbs", choices=("cbs", "greedy"),
@@ -568,11 +568,11 @@ _VARIANTS = {
     "splitfed-v2": ("SplitFed (Thapa et al. 2022), V2", {"server_mode": "sequential", "logit_adjust": False},
                     "one shared server part; the clients, in a seeded random order, each train all I "
                     "iterations in turn"),
-    "sfl-local-loss": ("SFLLocalLoss (Han et al. 2021, ICML FL workshop) [R]",
+    "sfl-local-loss": ("SFLLocalLoss (Han et al. 2021, ICML FL workshop), reconstructed (docs/baselines.md)",
                        {"server_mode": "local-loss", "logit_adjust": False},
                        "clients train on a local auxiliary head, no server gradients; one server part trained "
                        "on the activations it receives"),
-    "cs-sfl": ("CS-SFL (Xie et al. 2025, IEEE TWC), reconstruction [R]",
+    "cs-sfl": ("CS-SFL (Xie et al. 2025, IEEE TWC), reconstructed (docs/baselines.md)",
                {"server_mode": "per-client", "logit_adjust": False, "balanced_selection": True},
                "SplitFedV1 with class-balanced client selection (QCID of the label histograms)"),
 }

@@ -102,7 +102,7 @@ class ScalaPEConfig(ScalaConfig):
     gamma: float = knob(0.3, lo=0.0, help="weight of the inversion term Rq in the client objective "
                                           "(ResSFL regularization_strength 0.3; 0 = SCALA)")
     rq: str = knob("ssim", choices=RQ_MODES,
-                   help="Rq: ssim = max(0, SSIM - ssim-threshold) (ResSFL's code) | neg-mse = -MSE (scala.md [R])")
+                   help="Rq: ssim = max(0, SSIM - ssim-threshold) (ResSFL's code) | neg-mse = -MSE (the library's alternative)")
     ssim_threshold: float = knob(0.5, lo=0.0, hi=1.0, hi_open=True,
                                  help="s0 of rq=ssim: only SSIM above it is penalised (ResSFL 0.5; 0 = plain SSIM)")
     inverter_channels: int = knob(16, lo=1, help="internal channels of the simulated inverter w_v (ResSFL C16)")

@@ -136,7 +136,7 @@ class SemiFLConfig:
     server_steps: int = knob(0, lo=0, help="server fine-tuning steps per round (0 = local-steps, else "
                                            "local-epochs passes over the server's labeled set)")
     server_first: bool = knob(False, help="one server fine-tuning stage before round 1's clients "
-                                          "(baselines.md A1 [R]; false = the authors' code)")
+                                          "(a choice the sources leave open, docs/baselines.md; false = the authors' code)")
     static_bn: bool = knob(True, help="sBN: recompute the BN running statistics from the server's labeled "
                                       "data after each server stage (sbn=0)")
     clip_norm: float = knob(1.0, lo=0.0, help="clip the gradient norm before every SGD step (0 = no clip)")

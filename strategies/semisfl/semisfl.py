@@ -416,7 +416,7 @@ ALGORITHMS = register({
         label_metrics=PL_COUNTS,
         description="split FL, labels on the server only: H_s+T, H_u+C, EMA teacher, adaptive K_s"),
     "semisfl-no-cluster": AlgorithmSpec(
-        name="semisfl-no-cluster", paper="Semi-SFL ablation (FedSwitch-SL style, spec §7)",
+        name="semisfl-no-cluster", paper="Semi-SFL ablation (FedSwitch-SL style: no clustering regularization, fixed K_s)",
         strategy_cls=SemiSFLStrategy, config_cls=SemiSFLConfig, namespace=NAMESPACE, client=_CLIENT,
         label_metrics=PL_COUNTS, overrides={"clustering": False, "supcon": False, "adaptive_ks": False},
         description="l_u = H_u, l_s = H_s, fixed K_s"),
