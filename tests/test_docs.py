@@ -64,3 +64,26 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(page):
 def test_the_history_pattern_catches_a_diary_line():
     assert HISTORY.search("measured in the eighth session (2026-11-26), issue 29")
     assert not HISTORY.search("a node's earlier session's token is refused")
+
+
+def test_the_walkthrough_is_the_module_it_describes():
+    """docs/adding-an-algorithm.md's FixProx code: the same imports (public names only) and the
+    same classes and registration as strategies/umpfssl/fixprox.py."""
+    import ast
+    import re
+
+    doc = (ROOT / "docs" / "adding-an-algorithm.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    src = (ROOT / "strategies" / "umpfssl" / "fixprox.py").read_text()
+
+    def imports(text):
+        return {(n.module, n.level, tuple(a.name for a in n.names)) for n in ast.parse(text).body
+                if isinstance(n, ast.ImportFrom) and n.module != "__future__"}
+
+    def classes(text):
+        return {n.name: [ast.unparse(b) for b in n.bases] for n in ast.parse(text).body if isinstance(n, ast.ClassDef)}
+
+    assert imports(code) <= imports(src), imports(code) - imports(src)
+    assert not [name for _, _, names in imports(code) for name in names if name.startswith("_")]
+    assert classes(code) == classes(src)
+    assert "ALGORITHMS = register(" in code and "ALGORITHMS = register(" in src
