@@ -19,7 +19,7 @@ from strategies.core.records import (
 )
 from strategies.core.round_policy import RoundPolicy
 from split_layer.transport import LocalGrid
-from strategies import fedshvr as fs
+from strategies.fedshvr import fedshvr as fs
 from strategies.registry import get_algorithm
 from tasks.aggregate import fednova_aggregate, vr_correction_update, weighted_mean
 from tasks.config import ConfigError, TaskConfig
