@@ -61,7 +61,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from strategies.core.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_record
-from tasks.data import ArrayDataset
+from tasks.data import ArrayDataset, label_counts
 from tasks.env import Env
 from tasks.training import batch_at, derive_seed, make_sgd, seeded, seeded_perms, to_device_batch
 
@@ -190,7 +190,7 @@ class SplitClientHooks:
 
     def label_histogram(self, w: Worker, data: ArrayDataset) -> np.ndarray:
         """Label counts ``n_k`` for ``split-info`` (override: e.g. zeros when the data is unlabeled)."""
-        return np.bincount(data.y.astype(np.int64), minlength=w.env.num_classes).astype(np.int64)
+        return label_counts(data.y, w.env.num_classes, "split-info's label histogram")
 
     def info(self, w: Worker) -> dict[str, Any]:
         """Extra config for the one-time ``split-info`` reply."""

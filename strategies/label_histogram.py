@@ -1,6 +1,10 @@
 """The ``label-histogram`` query: a node's class counts, asked once per node by the algorithms
 that choose or group clients by their label distribution (Fed-CBS's sampling in
 :mod:`strategies.scala.fedcbs`, FedConcat's clustering in :mod:`strategies.scala.fedconcat`).
+A split algorithm that needs the histograms (``asks_histogram``: SCALA's priors, CS-SFL's
+selection) gets the same counts in its one ``split-info`` reply instead
+(:mod:`split_layer.split_info`), which saves the query; both are computed by
+:func:`tasks.data.label_counts`.
 
 **It discloses each node's label histogram to the server.** Fed-CBS's paper protects the
 inner products with homomorphic encryption and FedConcat's offers Laplace noise; here the
@@ -32,7 +36,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from strategies.core.records import CONFIG_KEY, client_env, node_info, numpy_to_record, query
-from tasks.config import ConfigError
+from tasks.data import label_counts
 from tasks.training import derive_seed
 
 HISTOGRAM = "label-histogram"   # the query action, and the array record of its reply
@@ -44,12 +48,9 @@ def client_label_histogram(msg: Message, context: Context) -> Message:
     class counts ``[M]`` (plus Laplace(0, n/eps) noise per class when the query asks for it,
     seeded by the run seed and the partition)."""
     env = client_env(msg, context, label_mode="all")
-    y = np.asarray(env.labeled().y, dtype=np.int64)
+    y = env.labeled().y
     m = int(env.num_classes)
-    if y.size and (y.min() < 0 or y.max() >= m):
-        raise ConfigError(f"label-histogram: this node's labels lie in [{y.min()}, {y.max()}]; the run has "
-                          f"num-classes={m}, so they must lie in [0, {m - 1}]")
-    counts = np.bincount(y, minlength=m).astype(np.float64)
+    counts = label_counts(y, m, "label-histogram").astype(np.float64)
     eps = float(msg.content.config_records[CONFIG_KEY].get(NOISE_KEY, 0.0))
     if eps > 0:
         rng = np.random.default_rng(derive_seed(env.task.seed, "label-histogram-noise", env.partition_id))

@@ -312,6 +312,21 @@ def _load_idx(folder: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def label_counts(y, num_classes: int, what: str = "labels") -> np.ndarray:
+    """A node's label histogram: the count of each class ``0 .. num_classes - 1`` in ``y``
+    (int64 ``[num_classes]``), the one computation behind every label histogram a node sends
+    (the ``label-histogram`` query and split learning's ``split-info``). Labels outside the
+    classes are a ``ConfigError`` naming ``what``."""
+    from .config import ConfigError
+
+    y = np.asarray(y, dtype=np.int64)
+    m = int(num_classes)
+    if y.size and (y.min() < 0 or y.max() >= m):
+        raise ConfigError(f"{what}: this node's labels lie in [{y.min()}, {y.max()}]; the run has "
+                          f"num-classes={m}, so they must lie in [0, {m - 1}]")
+    return np.bincount(y, minlength=m).astype(np.int64)
+
+
 def stratified_holdout(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Split indices into (train, test) keeping each class's share (seeded)."""
     if not 0.0 < fraction < 1.0:
