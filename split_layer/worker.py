@@ -64,6 +64,7 @@ from strategies.core.records import ALGO_KEY, CONFIG_KEY, client_env, state_to_r
 from tasks.data import ArrayDataset, label_counts
 from tasks.env import Env
 from tasks.training import batch_at, derive_seed, make_sgd, seeded, seeded_perms, to_device_batch
+from tasks.system import recomputation
 
 from .cut import bottom_state, load_bottom_state, resolve_cut, split_model
 from .stream import (
@@ -426,7 +427,8 @@ class SplitWorker:
             if not incoming.tensors:
                 raise SplitValidationError(f"split-step {step}: no gradients received for step {step - 1}")
             saved = {n: b.detach().clone() for n, b in w.bottom.named_buffers()}
-            outs = self.forward(w, data, step - 1, grad=True, recompute=True)
+            with recomputation():   # the clock bills it apart: the algorithm computed it once
+                outs = self.forward(w, data, step - 1, grad=True, recompute=True)
             self.apply_gradients(w, data, outs, incoming.tensors, step - 1, restore=saved)  # BN: updated once
         if step <= w.iters:
             outs = self.forward(w, data, step, grad=False)

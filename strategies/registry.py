@@ -266,7 +266,8 @@ class AlgorithmSpec:
                 reply = node_state.handle(handler, msg, context, self.node_state,
                                           persist=action not in self.quiet_actions)
             if not reply.has_error():
-                reply.content[WORK_KEY] = MetricRecord({"flops": work.flops, "steps": work.steps})
+                reply.content[WORK_KEY] = MetricRecord({"flops": work.flops, "steps": work.steps,
+                                                        "recompute-flops": work.recompute_flops})
         else:
             reply = node_state.handle(handler, msg, context, self.node_state,
                                       persist=action not in self.quiet_actions)

@@ -3,7 +3,10 @@
 Every run counts its bytes exactly (by kind, direction and node) and, with a system model
 chosen, its work: each node counts the FLOPs it executes and the optimizer steps it takes
 while answering a message (:func:`count_work`, torch's own ``FlopCounterMode``), and the
-server counts its own training FLOPs between exchanges. :class:`RoundClock` turns that
+server counts its own training FLOPs between exchanges. Work a node runs again only because
+its process could not keep a result (a split node's forward pass recomputed with a graph
+when the gradient arrives, :func:`recomputation`) is not the algorithm's: it is left out of
+the billed compute and reported apart (``sim-recompute-flops``). :class:`RoundClock` turns that
 measured work into the seconds it would take on the simulated system:
 
 * a **stage** is one exchange as the round loop sequences it (a full-model round: one
@@ -43,7 +46,7 @@ from tasks.config import ConfigError
 from tasks.training import derive_seed
 
 __all__ = ["Dist", "Compute", "RangeLink", "CellLink", "SystemModel", "RoundClock", "PRESETS",
-           "load_system", "count_work", "Work", "shannon_rate", "cell_path_loss_db", "SYSTEM_CHOICES"]
+           "load_system", "count_work", "recomputation", "Work", "shannon_rate", "cell_path_loss_db", "SYSTEM_CHOICES"]
 
 SYSTEM_CHOICES = "none, semisfl, scala, or the path of a .toml file (docs/config.md)"
 
@@ -55,7 +58,9 @@ message it answers, the server counts its own training FLOPs between exchanges, 
 `metrics.jsonl` line gets `sim-seconds` (the round), `sim-seconds-total` (the run, kept across a
 resume), `sim-server-seconds`, `sim-node-compute-seconds` (the slowest nodes' compute; the rest of
 the stages is transfers), `sim-client-flops`, `sim-server-flops` and `sim-stages`, beside
-`wall-seconds`. A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
+`wall-seconds`. A split node that recomputes a forward pass with a graph when its gradient arrives
+(a ClientApp process does not outlive a message: docs/split.md) does work the algorithm does not:
+those FLOPs are not billed, and `sim-recompute-flops` reports them apart. A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
 up rate`, the stage ending with its slowest node (a node that never replies holds it until
 `round-timeout`); the server's work runs between stages. Training is unchanged (the conformance
 matrix checks every algorithm's weights with and without a clock). `split-transport='stream'` is
@@ -369,6 +374,7 @@ class Work:
 
     flops: float = 0.0
     steps: int = 0
+    recompute_flops: float = 0.0   # of ``flops``: passes run again only to rebuild a graph (:func:`recomputation`)
 
 
 class _GlobalOnly:
@@ -394,7 +400,7 @@ def flop_counter() -> Any:
     return counter
 
 
-_STEPS = threading.local()
+_STEPS = threading.local()   # .active: this thread's open Work counts; .counters: their FLOP counters
 _HOOK: Any = None
 _HOOK_LOCK = threading.Lock()
 
@@ -417,14 +423,36 @@ def count_work() -> Iterator[Work]:
     active = getattr(_STEPS, "active", None)
     if active is None:
         active = _STEPS.active = []
-    active.append(work)
+    counters = getattr(_STEPS, "counters", None)
+    if counters is None:
+        counters = _STEPS.counters = []
     counter = flop_counter()
+    active.append(work)
+    counters.append(counter)
     try:
         with counter:
             yield work
     finally:
         active.remove(work)
+        counters.remove(counter)
         work.flops = float(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def recomputation() -> Iterator[None]:
+    """A block that runs again work already counted, only to rebuild what a process could not
+    keep (e.g. a split node's forward pass recomputed with a graph when its gradient arrives,
+    because a ClientApp process does not outlive a message): its FLOPs are added to every open
+    :func:`count_work`'s ``recompute_flops`` as well as its ``flops``, so the clock can leave
+    them out of the algorithm's compute and report them apart. A no-op outside a count."""
+    counters = list(getattr(_STEPS, "counters", ()))
+    works = list(getattr(_STEPS, "active", ()))
+    before = [float(c.get_total_flops()) for c in counters]
+    try:
+        yield
+    finally:
+        for w, c, b in zip(works, counters, before):
+            w.recompute_flops += float(c.get_total_flops()) - b
 
 
 # --------------------------------------------------------------------------- the clock
@@ -434,7 +462,8 @@ class _Stage:
     missing: bool = False
 
     def node(self, key: int) -> dict[str, float]:
-        return self.nodes.setdefault(key, {"down": 0.0, "up": 0.0, "flops": 0.0, "steps": 0.0})
+        return self.nodes.setdefault(key, {"down": 0.0, "up": 0.0, "flops": 0.0, "steps": 0.0,
+                                           "recompute-flops": 0.0})
 
 
 class RoundClock:
@@ -486,12 +515,15 @@ class RoundClock:
         if st is not None:
             st.node(int(key))[direction] += float(nbytes)
 
-    def add_work(self, key: int, flops: float, steps: float) -> None:
+    def add_work(self, key: int, flops: float, steps: float, recompute_flops: float = 0.0) -> None:
+        """Node ``key``'s work in this stage: ``flops`` of the algorithm's (billed) and, apart,
+        ``recompute_flops`` run again only to rebuild a graph (not billed)."""
         st = self._current()
         if st is not None:
             n = st.node(int(key))
             n["flops"] += float(flops)
             n["steps"] += float(steps)
+            n["recompute-flops"] += float(recompute_flops)
 
     def missing(self, key: int) -> None:
         """``key`` never replied in this stage: the server waited until its timeout."""
@@ -548,7 +580,8 @@ class RoundClock:
         """The round's simulated metrics: ``sim-seconds`` (this round), ``sim-seconds-total``,
         ``sim-server-seconds``, ``sim-node-compute-seconds`` (the compute of each stage's slowest
         node: the rest of the stages' time is transfers), ``sim-client-flops`` (all nodes),
-        ``sim-server-flops``, ``sim-stages``."""
+        ``sim-server-flops``, ``sim-stages``, and apart ``sim-recompute-flops`` (all nodes' FLOPs run
+        again only to rebuild a graph: not in ``sim-client-flops``, not billed)."""
         self._pause_server()
         rnd = self.round if self.round is not None else 0
         stages = [self.stage_seconds(st, rnd) for st in self._stages]
@@ -559,6 +592,8 @@ class RoundClock:
                # of the stages' time, the slowest nodes' compute (the rest: their transfers, timeouts)
                "sim-node-compute-seconds": float(sum(c for _, c in stages)),
                "sim-client-flops": float(sum(w["flops"] for st in self._stages for w in st.nodes.values())),
+               "sim-recompute-flops": float(sum(w["recompute-flops"] for st in self._stages
+                                                for w in st.nodes.values())),
                "sim-server-flops": self._server_flops, "sim-stages": float(len(stages))}
         self.round, self._stages, self._depth = None, [], 0
         return out

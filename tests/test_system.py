@@ -320,3 +320,24 @@ def test_the_documented_toml_example_loads(tmp_path):
     f.write_text(block)
     s = load_system(str(f))
     assert s.compute.names == ("old-phone", "new-phone") and s.server_flops == 5e12
+
+
+def test_a_split_iteration_bills_one_forward_and_backward_and_reports_the_recompute_apart(tmp_path):
+    """SCALA, one local iteration per round, two iid nodes of the MLP: each node's billed work is
+    one bottom forward + backward on its batch (the algorithm's), and the forward pass it runs
+    again with a graph when the gradient arrives (a ClientApp process does not outlive a
+    message) is ``sim-recompute-flops``, not billed: counted by hand with ``cut_cost``."""
+    from split_layer.cut import cut_cost
+    from tasks.models import build_model
+
+    sysfile = tmp_path / "fixed.toml"
+    sysfile.write_text('[compute]\nrate = 1e9\n[link]\nup-mbps = 1\ndown-mbps = 2\n[server]\nflops = 1e12\n')
+    rows = _run(tmp_path, "scala", str(sysfile), rounds=2, **{"scala.local-iterations": 1})
+    r2 = rows[1]   # round 2: no split-info exchange
+    cfg = json.loads((tmp_path / "scala" / "config.json").read_text())
+    model = build_model(cfg["model"], num_classes=10, in_channels=1, image_size=28)
+    batches = r2["batch-sizes"]   # B_k of SCALA's Eq. 3, as the round drew them
+    assert sum(batches) == cfg["scala.total-batch"] and len(batches) == 2
+    per_node = [cut_cost(model, cfg["cut"], (1, 28, 28), b, 1) for b in batches]
+    assert r2["sim-client-flops"] == pytest.approx(sum(c["bottom-train-flops"] for c in per_node), rel=1e-9)
+    assert r2["sim-recompute-flops"] == pytest.approx(sum(c["bottom-forward-flops"] for c in per_node), rel=1e-9)

@@ -68,12 +68,14 @@ class SimClock:
             self.clock.add_bytes(self.key_of(node), direction, nbytes)
 
     def add_work(self, reply: Message) -> None:
-        """A reply's share: the work its node counted (``work`` record)."""
+        """A reply's share: the work its node counted (``work`` record: ``flops`` of which
+        ``recompute-flops`` were run again only to rebuild a graph, billed apart)."""
         if self.clock is None or WORK_KEY not in reply.content.metric_records:
             return
         w = reply.content.metric_records[WORK_KEY]
-        self.clock.add_work(self.key_of(reply.metadata.src_node_id), float(w.get("flops", 0.0)),
-                            float(w.get("steps", 0.0)))
+        flops, again = float(w.get("flops", 0.0)), float(w.get("recompute-flops", 0.0))
+        self.clock.add_work(self.key_of(reply.metadata.src_node_id), flops - again,
+                            float(w.get("steps", 0.0)), again)
 
     def missing(self, node: int) -> None:
         """``node`` never replied: it costs the stage the timeout."""
