@@ -48,6 +48,7 @@ class AppConfig:
                                       "ServerApp and on every node (an installed package declares them as entry "
                                       "points of the group flower_ssl.algorithms instead)")
     num_rounds: int = knob(4, lo=1, help="communication rounds")
+    eval_every: int = knob_of(RoundPolicy, "eval_every")
     fraction_train: float = knob_of(RoundPolicy, "fraction_train")
     min_nodes: int = knob_of(RoundPolicy, "min_nodes")
     round_timeout: float = knob_of(RoundPolicy, "round_timeout")
@@ -57,6 +58,7 @@ class AppConfig:
     payload_bound: float = knob_of(RoundPolicy, "payload_bound")
     upload_norm_bound: float = knob_of(RoundPolicy, "upload_norm_bound")
     loss_bound: float = knob_of(RoundPolicy, "loss_bound")
+    upload_weight: str = knob_of(RoundPolicy, "upload_weight")
     results_dir: str = knob("results", help="parent folder of run folders; relative paths resolve against $FLOWER_SSL_HOME, else the ServerApp working directory (the folder the local SuperLink was started from)")
     run_name: str = knob("", help="run folder name ('' = <algo>-<timestamp>)")
     resume: bool = knob(False, help="continue the run folder's last completed round")

@@ -267,8 +267,9 @@ class RoundLoopStrategy(Strategy):
         (optional: else the model is built from the task config) is the global model of
         round 1 and of the round-0 evaluation, ``train_config``/``evaluate_config`` are added
         to the config of every training/evaluation message, ``evaluate_fn(round, arrays)``
-        is called for round 0 and after every round with what ``Result.arrays`` returns,
-        and its metrics join the round's server metrics. Plus ``start_round`` and
+        is called for round 0 and after every round (every ``eval-every`` rounds of the
+        round policy, and the last) with what ``Result.arrays`` returns, and its metrics join
+        the round's server metrics. Plus ``start_round`` and
         ``on_round_end`` for resuming and for writing results (``initial_arrays`` only
         applies to a run that starts at round 1). A round whose every node failed with the
         same error raises it (:class:`RoundFailedError`).
@@ -314,7 +315,8 @@ class RoundLoopStrategy(Strategy):
             self.guard.check(rnd, metrics, before, "train-loss")
             metrics.update(self.meter.flush())
             metrics["dropped"] = sorted(set(self.dropped))
-            ev = {**server_eval(rnd), **federated}
+            evaluated = rnd % self.policy.eval_every == 0 or rnd == num_rounds   # (run-config eval-every)
+            ev = {**(server_eval(rnd) if evaluated else {}), **federated}
             if "loss" in ev and self.guard.check(rnd, {**metrics, "loss": ev["loss"]}, before, "loss"):
                 metrics.update(diverged=1, skipped=1)
                 ev = {**server_eval(rnd), **federated}   # the model from before the round
@@ -334,7 +336,7 @@ class RoundLoopStrategy(Strategy):
 def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_rounds: int) -> str:
     """The one line per round every app using a strategy logs (Flower's log, ``flwr run --stream``)."""
     eta = elapsed / max(done_rounds, 1) * (total - rnd)
-    acc = metrics.get("accuracy", float("nan"))
+    acc = f"acc {metrics['accuracy']:.4f}" if "accuracy" in metrics else "not evaluated"
     # the test loss where the round measured one; personalised rows (each client's own model on
     # its own split) report none, and "loss nan" there read as a diverged run: the training loss
     # is named as such instead, or nothing
@@ -344,5 +346,5 @@ def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_roun
     if metrics.get("skipped"):
         extra += " | SKIPPED"
     sim = f" | sim {metrics['sim-seconds-total']:.1f}s" if "sim-seconds-total" in metrics else ""
-    return (f"round {rnd}/{total} | acc {acc:.4f}{loss} | "
+    return (f"round {rnd}/{total} | {acc}{loss} | "
             f"{metrics.get('round-seconds', 0.0):.1f}s{sim} | ETA {eta:.0f}s{extra}")
