@@ -152,6 +152,73 @@ def test_lg_fedavg_uploads_only_the_head_and_keeps_the_body():
     assert not np.allclose(bodies[0][w], bodies[1][w])
 
 
+@pytest.mark.parametrize("name", ["cnn", "resnet9"])
+def test_lg_fedavg_global_layers_head_or_the_codes_convolutions_on_the_rows_models(name):
+    """``lgfedavg.global-layers``: ``head`` (the paper's text) makes only the final linear
+    layer global; ``convolutions`` (the code's CIFAR-10 choice, Nets.py's reversed weight_keys
+    with num_layers_keep 2) makes every layer before the first nn.Linear global (convolutions and
+    their BatchNorm) and every fully-connected layer local; on the rows' models (cnn, resnet9)."""
+    from strategies.umpfssl.lgfedavg import LGFedAvgConfig, LGFedAvgTrainer
+    from tasks.models import build_model
+
+    model = build_model(name, in_channels=1, num_classes=10, image_size=28, norm="bn", dropout=0.5)
+    keys = list(model.state_dict())
+    linear = {f"{n}.{e}" for n, m in model.named_modules() if isinstance(m, nn.Linear) for e in m.state_dict()}
+    last = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    t = LGFedAvgTrainer()
+    local_head = t.local_keys(model, LGFedAvgConfig(global_layers="head"))
+    assert set(keys) - set(local_head) == {f"{last}.weight", f"{last}.bias"}
+    assert t.local_keys(model, None) == local_head                    # the default: the paper's text
+    local_conv = t.local_keys(model, LGFedAvgConfig(global_layers="convolutions"))
+    glob = set(keys) - set(local_conv)
+    assert set(local_conv) == linear                                   # every fully-connected layer local
+    conv_bn = {f"{n}.{e}" for n, m in model.named_modules()
+               if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)) for e in m.state_dict()}
+    assert glob == conv_bn and any(k.endswith("running_mean") for k in glob)
+    if name == "cnn":
+        assert len(linear) == 4 and all(k.startswith(("stages.fc1.", "stages.head.")) for k in linear)
+
+
+def test_lg_fedavg_convolutions_refused_on_a_model_without_convolutions():
+    from strategies.umpfssl.lgfedavg import LGFedAvgConfig, LGFedAvgTrainer
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(ConfigError, match="lgfedavg.global-layers='convolutions'.*has none"):
+        LGFedAvgTrainer().local_keys(net, LGFedAvgConfig(global_layers="convolutions"))
+    from flower_apps.config import parse_run_config
+    from tests.test_config import pyproject_config
+
+    with pytest.raises(ConfigError, match="lgfedavg.global-layers='fc' is not one of: head, convolutions"):
+        parse_run_config({**pyproject_config(), "algo": "lg-fedavg-fix", "lgfedavg.global-layers": "fc"})
+
+
+def test_lg_fedavg_convolutions_round_averages_the_convolutions_and_keeps_the_fc_layers():
+    """One round with ``lgfedavg.global-layers=convolutions`` on the cnn: only the convolutional
+    entries travel, down and up; the server's are their uniform mean, its fully-connected layers
+    stay the initial ones; each node keeps its own trained fully-connected layers."""
+    from strategies.umpfssl.fixmatch_baselines import STATE_BODY
+
+    s, grid, init, replies = _round("lg-fedavg-fix", **{"model": "cnn", "lgfedavg.global-layers": "convolutions"})
+    conv = {k for k in s.model.state_dict() if k.startswith(("stages.conv1.", "stages.conv2."))}
+    fc = set(s.model.state_dict()) - conv
+    assert fc == {"stages.fc1.1.weight", "stages.fc1.1.bias", "stages.head.0.weight", "stages.head.0.bias"}
+    ups = [_np(r.content.array_records["arrays"]) for _, r in replies]
+    assert len(ups) == 4 and all(set(u) == conv for u in ups)        # only the convolutions travel up
+    assert all(set(m.content.array_records["arrays"].keys()) <= conv for m in grid.sent
+               if "arrays" in m.content.array_records and m.metadata.message_type == "train")
+    got = s.model.state_dict()
+    for k in conv:
+        if not k.endswith("num_batches_tracked"):
+            np.testing.assert_allclose(got[k].numpy(), sum(u[k] for u in ups) / 4, rtol=1e-5, atol=1e-6, err_msg=k)
+    for k in fc:                                                     # the server's fc layers: the initial ones
+        torch.testing.assert_close(got[k], init[k])
+    bodies = [_np(ctx.state.array_records[STATE_BODY]) for ctx, _ in replies]
+    assert all(set(b) == fc for b in bodies)
+    w = "stages.fc1.1.weight"
+    assert all(not np.allclose(b[w], init[w].numpy()) for b in bodies)
+    assert not np.allclose(bodies[0][w], bodies[1][w])
+
+
 # ----------------------------------------------------------------------------------- pFedMe
 def test_pfedme_inner_and_outer_steps_match_a_hand_computation():
     """f(theta) = 1/2 (theta . x - y)^2 on a 2-weight linear model; K = 2 inner steps of
@@ -213,6 +280,118 @@ def test_pfedme_round_runs_and_the_server_is_the_nk_weighted_mean():
     k = "stages.head.0.weight"
     np.testing.assert_allclose(got[k], sum(w * u[k] for w, u in zip(n_k, ups)) / sum(n_k), rtol=1e-5, atol=1e-7)
     assert not np.allclose(got[k], init[k].numpy())
+
+
+def _pfedme_run(monkeypatch, eval_model: str, rounds: int = 1):
+    """pfedme-fix on a user's linear model over 2 nodes (both sampled, ``rounds`` rounds):
+    6 labeled 4x4 images per node in one batch (batch 8), 2 local steps, lambda_u = 0 (f_k is
+    the labeled CE; 4x4 images get no translation, no flip: the weak view is the
+    normalisation). Returns the strategy's result, each evaluated model's state by partition,
+    the uploads, the nodes' data and the initial weights."""
+    import strategies.umpfssl.pfedme as pm
+
+    evaluated: dict[int, dict[str, torch.Tensor]] = {}
+    real = pm.evaluate_on_own_test
+
+    def spy(msg, env, model):
+        evaluated[env.partition_id] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return real(msg, env, model)
+
+    monkeypatch.setattr(pm, "evaluate_on_own_test", spy)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+    init = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    data = {p: {"labeled": _sets(p, 6), "unlabeled": _sets(30 + p, 4)[0], "test": _sets(40 + p, 9)} for p in (0, 1)}
+    uploads: dict[int, dict[str, np.ndarray]] = {}
+
+    client = pm.PFedMeClient(net, lambda ctx: data[int(ctx.node_config["partition-id"])])
+
+    def handle(msg, ctx):
+        out = client.handle(msg, ctx)
+        if msg.metadata.message_type == "train":
+            uploads[int(ctx.node_config["partition-id"])] = _np(out.content.array_records["arrays"])
+        return out
+
+    s = pm.PFedMeStrategy(model=net, test_data=_sets(9, 6), local_steps=2, batch_size=8, lr=0.05,
+                          weight_decay=0.01, min_nodes=2, lambda_u=0.0, lamda=3.0, inner_steps=2,
+                          personal_lr=0.1, eval_model=eval_model)
+    res = s.start(LocalGrid(2, handle), num_rounds=rounds)
+    return res, evaluated, uploads, data, init
+
+
+def _norm(x: np.ndarray) -> torch.Tensor:
+    return (torch.from_numpy(x).float() / 255.0 - 0.5) / 0.5      # the augmenter's weak = test view here
+
+
+def _theta_steps(theta: list[torch.Tensor], w: list[torch.Tensor], x, y, *, lam, plr, wd, k) -> list[torch.Tensor]:
+    """K plain steps theta <- theta - plr (grad CE + lam (theta - w) + wd theta), by hand."""
+    for _ in range(k):
+        th = [t.clone().requires_grad_(True) for t in theta]
+        loss = torch.nn.functional.cross_entropy(_norm(x).flatten(1) @ th[0].T + th[1], torch.from_numpy(y))
+        g = torch.autograd.grad(loss, th)
+        theta = [t - plr * (gi + lam * (t - wi) + wd * t) for t, gi, wi in zip(theta, g, w)]
+    return [t.detach() for t in theta]
+
+
+def _acc(params: list[torch.Tensor], test) -> float:
+    x, y = test
+    return float(((_norm(x).flatten(1) @ params[0].T + params[1]).argmax(1).numpy() == y).mean())
+
+
+def test_pfedme_evaluates_wk_after_the_local_rounds_as_the_code(monkeypatch):
+    """Default ``pfedme.eval-model=local`` (the code: userpFedMe.py binds the "personalised"
+    list to the model's parameters and overwrites it with w_k): each node's evaluated model is
+    w_k after its local rounds from the round's w, by hand (2 local steps of K = 2 inner steps,
+    then w_k <- w_k - eta lambda (w_k - theta)), bit for bit the w_k it uploaded, and the
+    reported accuracies are w_k's on each node's own test split. Not the aggregated w, not theta."""
+    res, evaluated, uploads, data, init = _pfedme_run(monkeypatch, "local")
+    keys = ["1.weight", "1.bias"]
+    w0 = [init[k] for k in keys]
+    accs = []
+    for p in (0, 1):
+        (x, y), wk, theta = data[p]["labeled"], [t.clone() for t in w0], [t.clone() for t in w0]
+        for _ in range(2):                                            # R = 2 local steps
+            theta = _theta_steps(theta, wk, x, y, lam=3.0, plr=0.1, wd=0.01, k=2)
+            wk = [w - 0.05 * 3.0 * (w - t) for w, t in zip(wk, theta)]
+        for k, want in zip(keys, wk):
+            np.testing.assert_allclose(evaluated[p][k].numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_array_equal(evaluated[p][k].numpy(), uploads[p][k])   # the w_k it uploaded
+            assert not np.allclose(evaluated[p][k].numpy(), theta[keys.index(k)].numpy(), atol=1e-4)
+            assert not np.allclose(evaluated[p][k].numpy(), res.arrays[k].numpy(), atol=1e-4)   # not the new w
+        accs.append(_acc(wk, data[p]["test"]))
+    got = res.evaluate_metrics_clientapp[1]
+    assert list(got["client-accuracies"]) == pytest.approx(accs)
+    assert got["accuracy"] == pytest.approx(np.mean(accs))
+
+
+def test_pfedme_eval_model_theta_evaluates_theta_fitted_from_the_current_w(monkeypatch):
+    """``pfedme.eval-model=theta``: theta_k fitted from the current (aggregated) w by K = 2
+    inner steps at ``pfedme.personal-lr`` on one batch of the node's data, by hand; not w_k."""
+    res, evaluated, uploads, data, init = _pfedme_run(monkeypatch, "theta")
+    keys = ["1.weight", "1.bias"]
+    w = [torch.from_numpy(res.arrays[k].numpy().copy()) for k in keys]
+    n = {p: 10.0 for p in (0, 1)}                                      # |D^s| + |D^u| = 6 + 4 each
+    want_w = [sum(n[p] * uploads[p][k] for p in (0, 1)) / sum(n.values()) for k in keys]
+    for got, want in zip(w, want_w):                                   # the current w: the aggregate
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    accs = []
+    for p in (0, 1):
+        x, y = data[p]["labeled"]
+        theta = _theta_steps([t.clone() for t in w], w, x, y, lam=3.0, plr=0.1, wd=0.01, k=2)
+        for k, want in zip(keys, theta):
+            np.testing.assert_allclose(evaluated[p][k].numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+            assert not np.allclose(evaluated[p][k].numpy(), uploads[p][k], atol=1e-4)
+        accs.append(_acc(theta, data[p]["test"]))
+    assert list(res.evaluate_metrics_clientapp[1]["client-accuracies"]) == pytest.approx(accs)
+
+
+def test_pfedme_eval_model_is_checked():
+    from tasks.config import ConfigError as CE
+    from flower_apps.config import parse_run_config
+    from tests.test_config import pyproject_config
+
+    with pytest.raises(CE, match="pfedme.eval-model='w' is not one of: local, theta"):
+        parse_run_config({**pyproject_config(), "algo": "pfedme-fix", "pfedme.eval-model": "w"})
 
 
 # ----------------------------------------------------------------------------------- *-SL

@@ -15,6 +15,17 @@ from its own model: its own BN), keeps BN_k and uploads the rest; the server set
 shared entry to the **uniform** mean ``w_j = (1/|S|) sum_{k in S} w_{k,j}`` (FedBN's code; the
 UM-pFSSL paper gives no weighting). Client k is evaluated with w plus BN_k on its own test split.
 
+Pseudo-labels are computed in train mode, as FixMatch's code (FixBN has no code of its own:
+FedBN's rule with FixMatch's loss). The weak view's forward pass
+(:func:`tasks.training.fixmatch_loss`, under ``torch.no_grad()`` only) normalises with the
+batch's BatchNorm statistics and updates the node's running statistics, as the labeled and
+strong passes do: google-research/fixmatch ``fixmatch.py`` lines 99-104 run one
+``training=True`` pass over the labeled, weak and strong batches and line 113 takes
+``pseudo_labels = stop_gradient(softmax(logits_weak))`` from it (kekmodel/FixMatch-pytorch
+``train.py`` the same: ``model.train()`` line 317, one pass lines 357-360, the pseudo-label
+line 368). [ours] The three views pass through the model separately (BatchNorm statistics per
+view, the running statistics updated three times a step), not as one concatenated batch.
+
 What travels: the non-BN entries, down and up (``weights``); the ``evaluate`` message carries
 them too (``eval-weights``).
 
@@ -44,7 +55,7 @@ class FixBNTrainer(FixMatchTrainer):
 
     state_key = STATE_BN
 
-    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+    def local_keys(self, model: torch.nn.Module, cfg: object = None) -> list[str] | None:
         keys = batchnorm_keys(model)
         if not keys:
             raise ConfigError(f"FedBN (algo fixbn, fedbn-sl) keeps the BatchNorm layers local, and "

@@ -164,8 +164,9 @@ class FixMatchTrainer:
     config_cls: type = FixMatchConfig
     state_key: str | None = None   # context.state key of the part that stays on the node
 
-    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
-        """The keys that stay on the node (``None``: the whole model travels)."""
+    def local_keys(self, model: torch.nn.Module, cfg: Any = None) -> list[str] | None:
+        """The keys that stay on the node (``None``: the whole model travels); ``cfg``: the
+        algorithm's config (a row whose split is a knob reads it)."""
         return None
 
     def regularizer(self, model: torch.nn.Module, cfg: Any) -> Callable[[], torch.Tensor] | None:
@@ -197,7 +198,7 @@ class FixMatchTrainer:
         env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
         model = env.build_model()
         self.load(model, msg, context)
-        local = self.local_keys(model)
+        local = self.local_keys(model, cfg)
         out = self.fit(model, env, cfg, server_round(msg), self.regularizer(model, cfg))
         out["num-examples"] = float(len(env.labeled()) + len(env.unlabeled()))
         out["partition-id"] = env.partition_id
@@ -219,7 +220,7 @@ class FedPerTrainer(FixMatchTrainer):
 
     state_key = STATE_HEAD
 
-    def local_keys(self, model: torch.nn.Module) -> list[str] | None:
+    def local_keys(self, model: torch.nn.Module, cfg: Any = None) -> list[str] | None:
         return head_keys(model)
 
 
@@ -267,7 +268,7 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def setup_algorithm(self) -> None:
         self.body_keys = None   # the keys that travel (None: all)
         self.seeded: set[int] = set()   # nodes that trained once (they hold their local part)
-        local = self.trainer.local_keys(self.model)
+        local = self.trainer.local_keys(self.model, self.cfg)
         if local is not None:
             self.body_keys = [k for k in self.model.state_dict() if k not in set(local)]
 

@@ -16,10 +16,22 @@ R local steps (``local-epochs`` passes over D_k^s + D_k^u, or ``local-steps``), 
 2. ``w_k <- w_k - eta lambda (w_k - theta_k)``, eta the run's ``lr``.
 
 Server: ``w <- (1 - beta) w + beta sum_{k in S} n_k w_k / sum_{k in S} n_k`` (``pfedme.beta``;
-n_k weights as the code, the paper writes 1/S). The personalised model theta_k is the one
-evaluated: for evaluation each node computes theta_k from the current w by K inner steps
-on one seeded mini-batch of its data [ours: the paper evaluates theta_k, computed during
-training] and tests it on its own split.
+n_k weights as the code, the paper writes 1/S).
+
+Evaluation (``pfedme.eval-model``). ``local`` (default, as the code): each node runs its local
+update from the w of the round (the w the round's training started from, sent as
+``eval-weights``; the same steps and seed as ``train``, so a node that trained this round
+rebuilds exactly the w_k it uploaded) and tests the local model w_k. The code's "personalised"
+model is w_k: ``pFedMeOptimizer.step`` returns the model's own parameter list
+(``FLAlgorithms/optimizers/fedoptimizer.py`` line 65), bound to ``persionalized_model_bar``
+(``FLAlgorithms/users/userpFedMe.py`` line 50) and overwritten with w_k after the local
+rounds (line 58, ``update_parameters(self.local_model)``); ``test_persionalized_model``
+(``FLAlgorithms/users/userbase.py`` lines 95-107) tests those parameters; the server trains
+every user (``FLAlgorithms/servers/serverpFedMe.py`` lines 54-55) and evaluates them before it
+aggregates (lines 64-66). The code's issue #5 reports the same. ``theta`` [ours, the paper's
+personalised model]: theta_k fitted from the current (aggregated) w by K inner steps at
+``pfedme.personal-lr`` on one seeded mini-batch of the node's data, a test-time fit on local
+data that no other personalised row gets.
 
 Defaults (the code's CIFAR-10 README): lambda = 15, K = 5, plr = 0.01,
 beta = 1. What travels: w down and w_k up (``weights``), as FedAvg; w for evaluation
@@ -28,7 +40,7 @@ beta = 1. What travels: w down and w_k up (``weights``), as FedAvg; w for evalua
 Client contract (``train``): ``arrays`` in (w), ``arrays`` out (w_k's parameters, with theta's
 BatchNorm statistics as its buffers) and ``metrics`` (``num-examples`` = |D_k^s| + |D_k^u|,
 ``train-loss``: f_k at the last inner step, ``mask-rate``). ``evaluate``: ``arrays`` in (w),
-``accuracy`` of theta_k out. No node state.
+``accuracy`` of w_k (or theta_k, ``pfedme.eval-model=theta``) out. No node state.
 
 [ours] The augmented views of a local step's batch are drawn once and kept for its K inner
 steps (the inner problem is one fixed objective, as the code's one batch X); the pseudo-labels
@@ -45,7 +57,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.serverapp import Grid
 
 from strategies.core.records import ARRAYS_KEY, algo_config, model_to_record, record_to_numpy
 from tasks.config import knob
@@ -67,6 +80,9 @@ from ..personalized import evaluate_on_own_test, personal_env
 from ..registry import register
 
 
+EVAL_MODELS = ("local", "theta")   # pfedme.eval-model: w_k after the local rounds (the code), or a fitted theta_k
+
+
 @dataclass(frozen=True)
 class PFedMeConfig(FixMatchConfig):
     """pFedMe's knobs (``pfedme.*``): FixMatch's plus the Moreau envelope's (defaults: the code's
@@ -78,6 +94,9 @@ class PFedMeConfig(FixMatchConfig):
     inner_steps: int = knob(5, lo=1, help="K gradient steps approximating theta_k per local step")
     personal_lr: float = knob(0.01, lo=0.0, lo_open=True, help="step size of the K inner steps")
     beta: float = knob(1.0, lo=0.0, hi=2.0, lo_open=True, help="server w <- (1 - beta) w + beta * weighted mean")
+    eval_model: str = knob("local", choices=EVAL_MODELS,
+                           help="model each node tests: local = w_k after its local rounds from the round's w "
+                                "(the code); theta = theta_k fitted from the current w by K inner steps on one batch")
 
 
 def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, cfg: PFedMeConfig, steps: int,
@@ -124,29 +143,40 @@ def _models(msg: Message, env: Env) -> tuple[torch.nn.Module, torch.nn.Module, l
     return model, theta, [p for p in model.parameters() if p.requires_grad]
 
 
+def local_update(msg: Message, env: Env, cfg: PFedMeConfig) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Node k's local rounds from the received w (module docstring): w_k, with theta's
+    BatchNorm statistics as its buffers, and the rounds' metrics. Seeded by run seed, round and
+    partition, so ``train`` and the ``local`` evaluation of one round compute the same w_k."""
+    rnd, pid, t = server_round(msg), env.partition_id, env.task
+    model, theta, anchor = _models(msg, env)
+    n = len(env.labeled()) + len(env.unlabeled())
+    out = pfedme_local(theta, anchor, env, cfg, num_local_steps(t, n), derive_seed(t.seed, "pfedme", rnd, pid))
+    with torch.no_grad():   # w_k's buffers: theta's BatchNorm statistics
+        own = dict(model.named_buffers())
+        for name, b in theta.named_buffers():
+            own[name].copy_(b)
+    return model, out
+
+
 class PFedMeTrainer(FixMatchTrainer):
-    """pFedMe's client: the Moreau-envelope local update; theta_k evaluated."""
+    """pFedMe's client: the Moreau-envelope local update; w_k evaluated (or theta_k, ``eval-model``)."""
 
     config_cls = PFedMeConfig
 
     def train(self, msg: Message, context: Context) -> Message:
         """pFedMe's local update (module docstring); replies w_k."""
         env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
-        rnd, pid, t = server_round(msg), env.partition_id, env.task
-        model, theta, anchor = _models(msg, env)
-        n = len(env.labeled()) + len(env.unlabeled())
-        out: dict[str, Any] = pfedme_local(theta, anchor, env, cfg, num_local_steps(t, n),
-                                           derive_seed(t.seed, "pfedme", rnd, pid))
-        with torch.no_grad():   # w_k's buffers: theta's BatchNorm statistics
-            own = dict(model.named_buffers())
-            for name, b in theta.named_buffers():
-                own[name].copy_(b)
-        out.update({"num-examples": float(n), "partition-id": pid})
+        model, out = local_update(msg, env, cfg)
+        out.update({"num-examples": float(len(env.labeled()) + len(env.unlabeled())), "partition-id": env.partition_id})
         return reply(msg, model_to_record(model), out)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        """theta_k from the received w (K inner steps on one seeded batch), on the node's test split."""
+        """``local``: w_k after the local rounds from the received w (the round's w), as the
+        code; ``theta``: theta_k from the received w (the current w) by K inner steps on one
+        seeded batch. Tested on the node's own test split."""
         env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
+        if cfg.eval_model == "local":
+            return evaluate_on_own_test(msg, env, local_update(msg, env, cfg)[0])
         rnd, pid, t = server_round(msg), env.partition_id, env.task
         _, theta, anchor = _models(msg, env)
         if len(env.labeled()) + len(env.unlabeled()) > 0:
@@ -159,6 +189,21 @@ class PFedMeStrategy(FixMatchFedStrategy):
 
     trainer = PFedMeTrainer()
 
+    def setup_algorithm(self) -> None:
+        super().setup_algorithm()
+        self.round_w: ArrayRecord | None = None   # the w this round's training started from
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid):
+        self.round_w = arrays
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def eval_payload(self, node: int) -> ArrayRecord | None:
+        """``eval-model=local``: the round's w, from which every node reruns its local rounds (the
+        code evaluates w_k before it aggregates); ``theta``: the current w."""
+        if self.cfg.eval_model == "local" and self.round_w is not None:
+            return self.round_w
+        return super().eval_payload(node)
+
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
         beta = float(self.cfg.beta)
         if beta != 1.0:
@@ -170,7 +215,7 @@ class PFedMeStrategy(FixMatchFedStrategy):
 
 ALGORITHMS = register({
     "pfedme-fix": spec("pfedme-fix", PFedMeStrategy,
-                       "pFedMe + FixMatch: Moreau-envelope personalisation, theta_k evaluated", (), label_metrics=False),
+                       "pFedMe + FixMatch: Moreau-envelope personalisation, w_k evaluated", (), label_metrics=False),
 })
 
 
