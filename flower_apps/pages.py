@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flower_apps.report import (SeedGroup, _mean_std, _pm, onset_table, paired_table, plot_seed_groups, read_run,
-                                seed_groups, seed_table)
+                                seed_groups, seed_table, target_table)
 
 if TYPE_CHECKING:
     from flower_apps.papers import Claim, Paper
@@ -88,19 +88,36 @@ def _finals(g: SeedGroup | None) -> dict[int, float]:
     return out
 
 
-def claim_row(claim: Claim, by_label: dict[str, SeedGroup]) -> list[str]:
-    """One line of the claims table."""
+def claim_cells(claim: Claim, by_label: dict[str, SeedGroup]) -> list[str]:
+    """A claim judged on one set of runs: A - B (final), seeds A ahead, paired t, verdict."""
     a, b = _finals(by_label.get(claim.better)), _finals(by_label.get(claim.worse))
     seeds = sorted(set(a) & set(b))
     diffs = [a[s] - b[s] for s in seeds]
     missing = [r for r in (claim.better, claim.worse) if r not in by_label]
     if missing:
-        ours = f"not regenerable: no committed runs of {', '.join(f'`{r}`' for r in missing)}"
-        return [claim.text, claim.paper, ours, "", "", "not regenerable"]
+        return [f"not regenerable: no committed runs of {', '.join(f'`{r}`' for r in missing)}", "", "",
+                "not regenerable"]
     t = paired_t(diffs)
     m, sd = _mean_std(diffs)
-    return [claim.text, claim.paper, f"{m:+.3f} ± {sd:.3f} (seeds {','.join(map(str, seeds))})",
+    return [f"{m:+.3f} ± {sd:.3f} (seeds {','.join(map(str, seeds))})",
             f"{sum(d > 0 for d in diffs)}/{len(diffs)}", "n/a" if math.isnan(t) else f"{t:+.2f}", verdict(diffs)]
+
+
+def claim_row(claim: Claim, by_label: dict[str, SeedGroup], *more: dict[str, SeedGroup]) -> list[str]:
+    """One line of the claims table: the claim judged on ``by_label``'s runs, then on each of
+    ``more`` (the runs of the paper's other budgets)."""
+    return [claim.text, claim.paper, *claim_cells(claim, by_label),
+            *(c for other in more for c in claim_cells(claim, other))]
+
+
+def budget_folder(folder: Path, budget: str) -> Path:
+    """Where the committed runs of the paper's budget ``budget`` live, beside its dataset's."""
+    return folder.parent / f"{folder.name}-{budget}"
+
+
+#: the per-round metrics a budget's section plots beside accuracy, where its runs logged them
+#: (Semi-SFL's teacher: mask rate, pseudo-label accuracy with node consent, the labeled steps K_s)
+CURVES = ("mask-rate", "pseudo-label-accuracy", "ks")
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -122,13 +139,18 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
            "after the last round; mean ± sample std over the committed seeds.\n",
            f"Budget: {paper.datasets[dataset].settings}.\n" if dataset in paper.datasets else "",
            f"Settings: {paper.settings}.\n", f"The paper's ordering: {paper.expected}.\n"]
+    budgets = budgets_of(paper, folder, dataset)
     if paper.claims:
+        head = ["claim", "paper", "ours: A - B (final)", "seeds A ahead", "paired t", "verdict"]
+        for name in budgets:
+            head += [f"{name}: A - B (final)", f"{name}: seeds A ahead", f"{name}: paired t", f"{name}: verdict"]
         out += ["## Claims\n",
                 "Verdict on \"A beats B\" from the paired differences of the final accuracy over the seeds both "
                 "rows ran: *reproduced* where A is ahead and the paired t reaches the two-sided 5% level, *in "
-                "direction only* where A is ahead without reaching it, *not reproduced* where A is not ahead.\n",
-                _table(["claim", "paper", "ours: A - B (final)", "seeds A ahead", "paired t", "verdict"],
-                       [claim_row(c, by_label) for c in paper.claims])]
+                "direction only* where A is ahead without reaching it, *not reproduced* where A is not ahead."
+                + (" The first columns are at the budget above; " + "; ".join(
+                    f"`{n}` is the budget of its section below" for n in budgets) + "." if budgets else "") + "\n",
+                _table(head, [claim_row(c, by_label, *(g for _, g in budgets.values())) for c in paper.claims])]
     lines = []
     for table, method, rows in paper.coverage():
         got = [r for r in rows if r in by_label]
@@ -154,10 +176,48 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
             out.append("\n" + onset_table(runs))
         if figure:
             out.append(f"\n![mean accuracy per round, ±1 std over seeds]({figure})\n")
+    for name, (bfolder, bgroups) in budgets.items():
+        out.append(budget_section(paper, name, bfolder, bgroups, figure))
     notes = [f"* `{r.name}`: {r.note}" for r in paper.rows if r.note]
     if notes:
         out += ["## Rows\n", "\n".join(notes) + "\n"]
     return "\n".join(s for s in out if s), groups
+
+
+def budgets_of(paper: Paper, folder: Path, dataset: str) -> dict[str, tuple[Path, dict[str, SeedGroup]]]:
+    """The paper's budgets on ``dataset`` that have committed runs: name -> (folder, groups by row)."""
+    out = {}
+    for name, b in paper.budgets.items():
+        bfolder = budget_folder(folder, name)
+        if b.dataset != dataset or not bfolder.is_dir():
+            continue
+        runs = [read_run(d) for d in sorted(bfolder.iterdir()) if (d / "metrics.jsonl").exists()]
+        if runs:
+            out[name] = (bfolder, {g.label: g for g in seed_groups(runs)})
+    return out
+
+
+def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, SeedGroup], figure: str) -> str:
+    """The section of budget ``name``: its settings, every committed row (final, best, last-5
+    mean), the paired table against the paper's own method, the time and bytes to the target it
+    fixed before its runs, and figures of accuracy and of :data:`CURVES` per round."""
+    b = paper.budgets[name]
+    groups = list(by_label.values())
+    keys = " ".join(f"{k}={v!r}" for k, v in b.overrides.items())
+    out = [f"## At the budget `{name}`\n",
+           f"Run folders: [`docs/paper-results/runs/{folder.name}/`](runs/{folder.name}/), rerun with "
+           f"`python -m flower_apps.papers {paper.name} --budget {name} --seeds 0 1 2` (the keys `{keys}` over the "
+           f"budget above). {b.settings}.\n", seed_table(groups)]
+    if paper.reference in by_label and len(groups) > 1:
+        out.append("\n" + paired_table(groups, paper.reference))
+    if b.target is not None:
+        ref = paper.reference if paper.reference in by_label else ""
+        out.append("\nThe target was fixed before these runs. " + target_table(groups, b.target, reference=ref))
+    stem = Path(figure).stem if figure else paper.name
+    for metric in ("accuracy", *CURVES):
+        if figure and any(r.series(metric) for g in groups for r in g.runs):
+            out.append(f"\n![{metric} per round, mean ± std over seeds]({stem}-{name}-{metric}.png)\n")
+    return "\n".join(out)
 
 
 def write_page(paper: Paper, dataset: str = "fashion-mnist", root: Path = DOCS) -> Path:
@@ -171,4 +231,9 @@ def write_page(paper: Paper, dataset: str = "fashion-mnist", root: Path = DOCS) 
         plot_seed_groups(groups, png, title=f"{paper.name} on {dataset}: mean ± std over seeds")
     elif png.exists():
         png.unlink()
+    for name, (_, by_label) in budgets_of(paper, folder, dataset).items():
+        for metric in ("accuracy", *CURVES):
+            if any(r.series(metric) for g in by_label.values() for r in g.runs):
+                plot_seed_groups(list(by_label.values()), root / f"{paper.name}-{name}-{metric}.png", metric=metric,
+                                 title=f"{paper.name} on {dataset}, budget {name}: {metric}, mean ± std over seeds")
     return md

@@ -64,12 +64,17 @@ class Row:
 
 @dataclass(frozen=True)
 class Budget:
-    """A paper's comparison on another dataset: the base overrides and the budget in words;
-    ``rows``: a row's own overrides on this dataset, where its budget scales with the data
-    (over the row's keys, e.g. a shared set sized as a share of the users' data)."""
+    """A paper's comparison on another dataset (``[datasets.<name>]``), or a longer budget on one
+    of those (``[budgets.<name>]``, over the dataset's): the base overrides and the budget in
+    words; ``rows``: a row's own overrides on this dataset, where its budget scales with the data
+    (over the row's keys, e.g. a shared set sized as a share of the users' data). A budget names
+    its ``dataset`` and may fix an accuracy ``target`` before its runs (its page tabulates the
+    time, simulated where a system is set, and the bytes to reach it)."""
     overrides: dict[str, Any]
     settings: str
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dataset: str = ""
+    target: float | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class Paper:
     #: ``--dataset NAME``: the comparison on another dataset, at the budget chosen for it (base
     #: overrides, e.g. a training subset) and that budget in words
     datasets: dict[str, Budget] = field(default_factory=dict)
+    #: ``--budget NAME``: the comparison at another budget on one of :attr:`datasets` (e.g. more
+    #: rounds), its runs and claims beside the dataset's own on the results page
+    budgets: dict[str, Budget] = field(default_factory=dict)
     #: the paper's own number for a method of its tables (the cell its results page shows beside ours)
     reported: dict[str, str] = field(default_factory=dict)
     claims: tuple[Claim, ...] = ()
@@ -121,6 +129,9 @@ class Paper:
             lines.append(f"  --dataset {name}: {b.overrides} ({b.settings})")
             for row, keys in b.rows.items():
                 lines.append(f"      row {row} on {name}: {keys}")
+        for name, b in self.budgets.items():
+            lines.append(f"  --budget {name} (on {b.dataset}): {b.overrides} ({b.settings})"
+                         + (f"; target {b.target}" if b.target is not None else ""))
         for table, methods in self.tables.items():
             lines.append(f"  {table}:")
             for _, m, rows in (c for c in self.coverage() if c[0] == table):
@@ -183,7 +194,8 @@ def load_paper(path: str | Path, data: dict[str, Any] | None = None) -> Paper:
     """One paper's tables from ``path`` (``<paper>.toml``; the file name is the paper's name), or
     from ``data``, the file already read: top-level :class:`Paper` fields, ``[base]``,
     ``[tables]`` (table -> methods), ``[reported]``, ``[missing]``, ``[[claims]]``
-    (:class:`Claim`), ``[datasets.<name>]`` (:class:`Budget`) and ``[[rows]]`` (:class:`Row`);
+    (:class:`Claim`), ``[datasets.<name>]`` and ``[budgets.<name>]`` (:class:`Budget`; a budget's
+    ``dataset`` must be one of the datasets) and ``[[rows]]`` (:class:`Row`);
     ``order`` places it in listings. A key none of them takes, or a file that is not TOML, is a
     ``ValueError`` naming the file."""
     path = Path(path)
@@ -192,12 +204,18 @@ def load_paper(path: str | Path, data: dict[str, Any] | None = None) -> Paper:
     try:
         rows = tuple(Row(**{**r, "label": tuple(r["label"]) if isinstance(r.get("label"), list) else
                             r.get("label", "")}) for r in data.pop("rows", []))
-        return Paper(name=path.stem, rows=rows, claims=tuple(Claim(**c) for c in data.pop("claims", [])),
-                     tables={t: tuple(ms) for t, ms in data.pop("tables", {}).items()},
-                     datasets={n: Budget(**b) for n, b in data.pop("datasets", {}).items()}, **data)
+        paper = Paper(name=path.stem, rows=rows, claims=tuple(Claim(**c) for c in data.pop("claims", [])),
+                      tables={t: tuple(ms) for t, ms in data.pop("tables", {}).items()},
+                      datasets={n: Budget(**b) for n, b in data.pop("datasets", {}).items()},
+                      budgets={n: Budget(**b) for n, b in data.pop("budgets", {}).items()}, **data)
     except TypeError as e:   # a key that no field takes (or a required one missing): the message names it
         raise ValueError(f"{path}: {e}; the keys allowed are the fields of flower_apps.papers' Paper, "
                          f"Row, Claim and Budget") from None
+    for name, b in paper.budgets.items():
+        if b.dataset not in paper.datasets:
+            raise ValueError(f"{path}: [budgets.{name}] dataset={b.dataset!r} is not one of its [datasets.*]: "
+                             f"{', '.join(paper.datasets) or 'none'}")
+    return paper
 
 
 def load_papers(tables: str | Path | None = None) -> dict[str, Paper]:
@@ -286,17 +304,26 @@ def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path
 def run_paper(name: str | Paper, seeds=DEFAULT_SEEDS, out: Path | None = None, engine: str = "inprocess",
               rows: list[str] | None = None, rounds: int | None = None, log=print,
               sets: dict[str, Any] | None = None, target: float | None = None, paired: str = "",
-              dataset: str = "") -> Path:
+              dataset: str = "", budget: str = "") -> Path:
     """Run every (row, seed) of paper ``name`` (a name of :func:`papers`, or a :class:`Paper`) that
     is not finished; write the report; return ``out``.
-    ``dataset``: one of the paper's :attr:`Paper.datasets`, whose budget goes under ``sets``."""
+    ``dataset``: one of the paper's :attr:`Paper.datasets`, whose budget goes under ``sets``;
+    ``budget``: one of :attr:`Paper.budgets` (on its own dataset), over the dataset's."""
     paper = name if isinstance(name, Paper) else papers()[name]
     name = paper.name
     row_sets: dict[str, dict[str, Any]] = {}
     user_sets = dict(sets or {})   # the report names them: they override the paper's settings text
+    if budget:
+        b = paper.budgets[budget]
+        dataset = b.dataset
+        sets = {**b.overrides, **(sets or {})}
+        target = b.target if target is None else target
     if dataset:
         sets = {**paper.datasets[dataset].overrides, **(sets or {})}
         row_sets = paper.datasets[dataset].rows
+    if budget:   # a row's keys at this budget over its keys on the dataset
+        extra = paper.budgets[budget].rows
+        row_sets = {r: {**row_sets.get(r, {}), **extra.get(r, {})} for r in set(row_sets) | set(extra)}
     out = Path(out or Path("results") / "papers" / name).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FLOWER_SSL_STATE_DIR", str(out / ".node-state"))
@@ -378,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset", default="", metavar="NAME",
                     help="rerun the comparison on another dataset at the budget the paper records for it "
                          "(--list shows them; results in results/papers/<paper>-<NAME>)")
+    ap.add_argument("--budget", default="", metavar="NAME",
+                    help="rerun the comparison at another budget the paper records (on its dataset; --list shows "
+                         "them; results in results/papers/<paper>-<dataset>-<NAME>)")
     ap.add_argument("--paired", default="", metavar="ROW",
                     help="also tabulate every row's per-seed differences from this row (paired over seeds)")
     ap.add_argument("--page", action="store_true",
@@ -410,6 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows {unknown} not in {args.paper}'s rows: "
               f"{', '.join(paper.rows_by_name)}", file=sys.stderr)
         return 2
+    if args.budget and args.budget not in paper.budgets:
+        print(f"error: --budget {args.budget!r}: {args.paper} has {', '.join(paper.budgets) or 'no other budget'}",
+              file=sys.stderr)
+        return 2
+    if args.budget and args.dataset and args.dataset != paper.budgets[args.budget].dataset:
+        print(f"error: --budget {args.budget!r} is on --dataset {paper.budgets[args.budget].dataset!r}, "
+              f"not {args.dataset!r}", file=sys.stderr)
+        return 2
     if args.dataset and args.dataset not in paper.datasets:
         print(f"error: --dataset {args.dataset!r}: {args.paper} has a budget for "
               f"{', '.join(paper.datasets) or 'no other dataset'}", file=sys.stderr)
@@ -420,10 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import ConfigError
 
     try:
-        out = Path(args.out) if args.out else (Path("results") / "papers" / f"{args.paper}-{args.dataset}"
-                                               if args.dataset else None)
-        run_paper(paper, args.seeds, out, args.engine, args.rows, args.rounds,
-                  sets=parse_sets(args.set), target=args.target, paired=args.paired, dataset=args.dataset)
+        dataset = paper.budgets[args.budget].dataset if args.budget else args.dataset
+        tail = "-".join(x for x in (dataset, args.budget) if x)
+        out = Path(args.out) if args.out else (Path("results") / "papers" / f"{args.paper}-{tail}" if tail else None)
+        run_paper(paper, args.seeds, out, args.engine, args.rows, args.rounds, sets=parse_sets(args.set),
+                  target=args.target, paired=args.paired, dataset=dataset, budget=args.budget)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

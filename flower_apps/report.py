@@ -482,7 +482,8 @@ def plot_seed_groups(groups: list[SeedGroup], out: Path, metric: str = "accuracy
         (line,) = ax.plot(rounds, mean, marker=".", label=f"{g.label} (n={len(g.runs)})")
         ax.fill_between(rounds, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                         color=line.get_color(), alpha=0.2)
-    round_axis(ax), ax.set_ylabel(f"test {metric}"), ax.grid(alpha=0.3)
+    round_axis(ax), ax.set_ylabel(f"test {metric}" if metric.endswith("accuracy") and "pseudo" not in metric
+                                  else metric), ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or f"{metric}: mean ± std over seeds")
     return _save(fig, out)

@@ -71,3 +71,42 @@ def test_a_page_pairs_seeds_marks_missing_rows_and_shows_the_papers_numbers(tmp_
     assert "| A > C | +5 | not regenerable: no committed runs of `c` |  |  | not regenerable |" in text
     assert "| Table 1 | A | 90.0 | `a` | 0.810 ± 0.010 | 0,1,2 |" in text
     assert "| Table 1 | C |  | `c` | not regenerable: no committed run folder" in text
+
+
+def test_a_budget_judges_each_claim_beside_the_first_and_has_its_own_section(tmp_path):
+    from flower_apps.papers import Budget
+
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}, label="A"), Row("b", {"algo": "b"}, label="B")),
+                  tables={"Table 1": ("A", "B")}, reference="a", claims=(Claim("A > B", "a", "b", "+10"),),
+                  datasets={"fashion-mnist": Budget({"dataset": "fashion-mnist"}, "full data")},
+                  budgets={"long": Budget({"num-rounds": 3}, "three rounds", dataset="fashion-mnist", target=0.75)})
+    first, long = tmp_path / "toy-fmnist", tmp_path / "toy-fmnist-long"
+    for s in range(3):   # 2 rounds: A behind B; 3 rounds: A ahead (0.80/0.81/0.82 vs 0.70)
+        _run(first / f"a-s{s}", "a", s, [0.5, 0.6])
+        _run(first / f"b-s{s}", "b", s, [0.5, 0.65])
+        _run(long / f"a-s{s}", "a", s, [0.5, 0.7, 0.80 + s / 100])
+        _run(long / f"b-s{s}", "b", s, [0.5, 0.6, 0.70])
+    text, _ = results_page(paper, first, "fashion-mnist", figure="toy.png")
+    head = next(ln for ln in text.splitlines() if ln.startswith("| claim |"))
+    assert head.endswith("| verdict | long: A - B (final) | long: seeds A ahead | long: paired t | long: verdict |")
+    line = next(ln for ln in text.splitlines() if ln.startswith("| A > B |"))
+    assert "| -0.050 ± 0.000 (seeds 0,1,2) | 0/3 | -inf | not reproduced (reversed, significant) |" in line
+    assert line.endswith("| +0.110 ± 0.010 (seeds 0,1,2) | 3/3 | +19.05 | reproduced |")
+    section = text.split("## At the budget `long`", 1)[1]
+    assert "runs/toy-fmnist-long/" in section and "--budget long" in section and "three rounds." in section
+    assert "Time and bytes to accuracy >= 0.75" in section   # a (round 3) reaches it, b never does
+    assert "| a | a | 3/3 |" in section and "| b | b | 0/3 |" in section
+    assert "(toy-long-accuracy.png)" in section and "mask-rate" not in section   # no such metric logged
+
+
+def test_a_budget_must_be_on_one_of_the_papers_datasets(tmp_path):
+    from flower_apps.papers import load_paper
+
+    f = tmp_path / "toy.toml"
+    f.write_text('title = "t"\nsupernodes = 2\nexpected = "e"\nbase = {}\n'
+                 '[datasets.fashion-mnist]\noverrides = {}\nsettings = "s"\n'
+                 '[budgets.long]\ndataset = "cifar10"\noverrides = {}\nsettings = "s"\n')
+    with pytest.raises(ValueError, match=r"\[budgets.long\] dataset='cifar10' is not one of its \[datasets.\*\]: "
+                                         "fashion-mnist"):
+        load_paper(f)
