@@ -19,10 +19,10 @@ Pseudo-labels are computed in train mode, as FixMatch's code (FixBN has no code 
 FedBN's rule with FixMatch's loss). The weak view's forward pass
 (:func:`tasks.training.fixmatch_loss`, under ``torch.no_grad()`` only) normalises with the
 batch's BatchNorm statistics and updates the node's running statistics, as the labeled and
-strong passes do: google-research/fixmatch ``fixmatch.py`` lines 99-104 run one
+strong passes do: google-research/fixmatch (commit d4985a1) ``fixmatch.py`` lines 99-104 run one
 ``training=True`` pass over the labeled, weak and strong batches and line 113 takes
-``pseudo_labels = stop_gradient(softmax(logits_weak))`` from it (kekmodel/FixMatch-pytorch
-``train.py`` the same: ``model.train()`` line 317, one pass lines 357-360, the pseudo-label
+``pseudo_labels = stop_gradient(softmax(logits_weak))`` from it (kekmodel/FixMatch-pytorch,
+commit 040be3b, ``train.py`` the same: ``model.train()`` line 317, one pass lines 357-360, the pseudo-label
 line 368). [ours] The three views pass through the model separately (BatchNorm statistics per
 view, the running statistics updated three times a step), not as one concatenated batch.
 

@@ -3,7 +3,8 @@
 LG-FedAvg -- P. P. Liang, T. Liu, L. Ziyin, N. B. Allen, R. P. Auerbach, D. Brent,
 R. Salakhutdinov, L.-P. Morency, "Think Locally, Act Globally: Federated Learning with Local
 and Global Representations", arXiv:2001.01523 (NeurIPS 2019 workshop on FL; code:
-pliang279/LG-FedAvg, ``main_lg.py``, ``models/Nets.py``, ``models/Update.py``).
+pliang279/LG-FedAvg, ``main_lg.py``, ``models/Nets.py``, ``models/Update.py``; line numbers
+at its commit 7af0568).
 
 Rule. The model is split into local layers (kept on the node) and global layers
 (``lgfedavg.global-layers``). Each round the sampled client k loads the global layers g plus

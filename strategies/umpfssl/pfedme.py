@@ -22,16 +22,18 @@ Evaluation (``pfedme.eval-model``). ``local`` (default, as the code): each node 
 update from the w of the round (the w the round's training started from, sent as
 ``eval-weights``; the same steps and seed as ``train``, so a node that trained this round
 rebuilds exactly the w_k it uploaded) and tests the local model w_k. The code's "personalised"
-model is w_k: ``pFedMeOptimizer.step`` returns the model's own parameter list
-(``FLAlgorithms/optimizers/fedoptimizer.py`` line 65), bound to ``persionalized_model_bar``
-(``FLAlgorithms/users/userpFedMe.py`` line 50) and overwritten with w_k after the local
-rounds (line 58, ``update_parameters(self.local_model)``); ``test_persionalized_model``
-(``FLAlgorithms/users/userbase.py`` lines 95-107) tests those parameters; the server trains
-every user (``FLAlgorithms/servers/serverpFedMe.py`` lines 54-55) and evaluates them before it
-aggregates (lines 64-66). The code's issue #5 reports the same. ``theta`` [ours, the paper's
+model is w_k (line numbers at its commit caf24b1): ``pFedMeOptimizer.step`` returns the model's
+own parameter list (``FLAlgorithms/optimizers/fedoptimizer.py`` line 65), bound to
+``persionalized_model_bar`` (``FLAlgorithms/users/userpFedMe.py`` line 50) and overwritten
+with w_k after the local rounds (line 58, ``update_parameters(self.local_model)``);
+``test_persionalized_model`` (``FLAlgorithms/users/userbase.py`` lines 95-107) tests those
+parameters; the server trains every user (``FLAlgorithms/servers/serverpFedMe.py`` lines
+54-55) and evaluates them before it aggregates (lines 64-66); the repository's
+github.com/CharlieDinh/pFedMe/issues/5 reports the same. ``theta`` [ours, the paper's
 personalised model]: theta_k fitted from the current (aggregated) w by K inner steps at
-``pfedme.personal-lr`` on one seeded mini-batch of the node's data, a test-time fit on local
-data that no other personalised row gets.
+``pfedme.personal-lr`` (the code's ``personal_learning_rate``, used only by its training's
+inner steps, ``userpFedMe.py`` line 26) on one seeded mini-batch of the node's data, a
+test-time fit on local data that no other personalised row gets.
 
 Defaults (the code's CIFAR-10 README): lambda = 15, K = 5, plr = 0.01,
 beta = 1. What travels: w down and w_k up (``weights``), as FedAvg; w for evaluation
