@@ -49,6 +49,29 @@ def test_every_paper_has_a_fashion_mnist_budget_whose_rows_are_valid(paper, tmp_
         assert budget.rows["datasharing-gn"]["server-labels"] == 2950
 
 
+@pytest.mark.parametrize("paper", sorted(p for p in PAPERS if PAPERS[p].budgets))
+def test_a_budget_runs_every_row_over_its_datasets_keys_and_its_own(paper, tmp_path, monkeypatch):
+    """``--budget NAME``: each row runs with the dataset's keys, then the budget's, then the row's
+    own, then the budget's keys for that row; every such run is valid."""
+    p = PAPERS[paper]
+    seen: dict[str, dict] = {}
+    monkeypatch.setattr(papers_module, "run_one",
+                        lambda cfg, explicit, *a: seen.setdefault(cfg["run-name"], (cfg, explicit)))
+    monkeypatch.setattr(papers_module, "write_report", lambda *a, **k: "")
+    for name, b in p.budgets.items():
+        seen.clear()
+        run_paper(p, seeds=[0], out=tmp_path / name, budget=name, log=lambda m: None)
+        assert set(seen) == {f"{r.name}-s0" for r in p.rows}
+        for row in p.rows:
+            cfg, explicit = seen[f"{row.name}-s0"]
+            for k, v in {**p.datasets[b.dataset].overrides, **b.overrides}.items():
+                assert cfg[k] == row.overrides.get(k, v), (row.name, k)
+            assert all(cfg[k] == v for k, v in b.rows.get(row.name, {}).items()), row.name
+            parse_run_config(cfg, explicit)
+    if paper == "semisfl":   # the full-model rows' client steps are the budget's K_u
+        assert seen["semifl-s0"][0]["local-steps"] == 50 and seen["semisfl-s0"][0]["semisfl.k-u"] == 50
+
+
 def test_run_paper_writes_mean_std_table_and_restarts(tmp_path):
     logs = []
     out = run_paper("fedshvr", seeds=[0, 1], out=tmp_path, rows=["fed-sl"], rounds=2, log=logs.append)
