@@ -3,12 +3,17 @@
 ``fedavg`` -- McMahan et al., "Communication-Efficient Learning of Deep Networks from
 Decentralized Data" (AISTATS 2017). Each round the sampled clients start from the global
 weights w, run local SGD on cross-entropy over their labeled data (``local-epochs`` or
-``local-steps``) and return w_k with ``num-examples`` n_k; the server sets
-w <- sum_k n_k w_k / sum_k n_k (all state-dict entries, BN buffers included).
+``local-steps``) and return w_k with ``num-examples`` n_k = |D_k|, the client's number of
+training examples (the paper's Algorithm 1; Flower's convention); the server sets
+w <- sum_k n_k w_k / sum_k n_k over the clients that replied (all state-dict entries, BN
+buffers included). ``upload-weight=processed-examples`` (the round policy) weights by the
+samples each client's local steps processed instead (with ``local-steps`` set: the same for
+every client, i.e. the uniform mean).
 
 Client contract: a ``train`` message carries ``arrays`` (the global state dict), ``task``
 (the flat TaskConfig) and ``config`` (``server-round``); the reply carries ``arrays``
-(the local state dict) and ``metrics`` with ``num-examples`` and ``train-loss``.
+(the local state dict) and ``metrics`` with ``num-examples`` (|D_k|), ``processed-examples``
+(the samples the local steps processed) and ``train-loss``.
 
 ``supervised-only`` -- the lower bound every semi-supervised paper here reports: the
 server trains on its N_s labeled samples (``server-labels``) alone, ``local-steps`` (or
@@ -22,6 +27,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from strategies.core.folds import sized_metrics
 from strategies.core.records import (
     ARRAYS_KEY,
     METRICS_KEY,
@@ -69,6 +75,7 @@ def client_train(msg: Message, context: Context,
         seed=derive_seed(task.seed, "fedavg", rnd, env.partition_id),
         regularizer=regularizer(model) if regularizer is not None else None,
         loss_fn=loss_fn(env, data) if loss_fn is not None else None)
+    metrics = sized_metrics(metrics, len(data))   # num-examples = |D_k|, FedAvg's n_k
     return Message(RecordDict({ARRAYS_KEY: model_to_record(model), METRICS_KEY: MetricRecord(metrics)}),
                    reply_to=msg)
 
@@ -118,7 +125,8 @@ class FedAvgClient(AlgorithmClient):
 
     Each ``train`` message: local SGD on cross-entropy from the received global weights
     (``local_epochs`` or ``local_steps``, ``batch_size``, ``lr``, momentum from the server's
-    task config); the reply is the local weights and ``num-examples``."""
+    task config); the reply is the local weights, ``num-examples`` (the size of ``labeled``)
+    and ``processed-examples``."""
 
     module = __name__
     needs = ('labeled',)

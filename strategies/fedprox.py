@@ -6,9 +6,21 @@ Optimization in Heterogeneous Networks", MLSys 2020. Client k approximately mini
 ``h_k(w) = F_k(w) + mu/2 ||w - w^t||^2`` from the global weights ``w^t``: each local SGD step is
 ``w <- w - lr (grad F_k(w) + mu (w - w^t))`` (the squared norm over trainable parameters only,
 :func:`tasks.losses.proximal_term`). The server is FedAvg's:
-``w^{t+1} = sum_k n_k w_k / sum_k n_k`` over the clients that replied. ``mu = 0.01``
+``w^{t+1} = sum_k n_k w_k / sum_k n_k`` over the clients that replied, n_k = |D_k| the client's
+number of training samples, whatever number of local iterations it ran (the authors' code:
+``flearn/models/client.py`` line 11 ``num_samples = len(train_data['y'])``, returned with the
+solution by ``solve_inner``, line 48, and ``solve_iters``, line 64; ``flearn/trainers/fedbase.py``
+``aggregate``, lines 115-125, weights by it); ``upload-weight=processed-examples`` (the round
+policy) weights by the samples processed instead. ``mu = 0.01``
 (our choice: the authors give no universal mu and suggest tuning it from {0.001, 0.01, 0.1, 0.5, 1};
 FedBN's code, ``federated/fed_digits.py``, runs FedProx with 1e-2).
+Not implemented: the paper's systems-heterogeneity setting, in which a share of each
+round's selected devices are stragglers (the code's ``--drop_percent``, ``main.py``
+lines 81-84, default 0.1). In the authors' ``flearn/trainers/fedprox.py`` (lines 49-68) a
+straggler runs a random number of epochs in ``[1, E)`` and its partial solution is aggregated
+with the others; ``flearn/trainers/fedavg.py`` (lines 30-35) drops the stragglers instead.
+Here every node that replies runs the configured local work, nodes fail only when they fail,
+and ``mu`` alone separates FedProx from FedAvg.
 
 ``fedlc`` -- J. Zhang, Z. Li, B. Li, J. Xu, S. Wu, S. Ding, C. Wu, "Federated Learning with
 Label Distribution Skew via Logits Calibration", ICML 2022. Client k trains on the cross-entropy
@@ -17,9 +29,9 @@ of calibrated logits ``f_c(x) - tau n_{k,c}^(-1/4)``, ``n_{k,c}`` its count of c
 necessary: FL-bench ``src/client/fedlc.py``); the server is FedAvg's, and inference uses the raw
 logits. ``tau = 1.0`` (FL-bench's value; the paper gives none).
 
-What travels, both: the global weights down and the local weights up (``num-examples`` n_k),
-as in FedAvg. In SCALA's comparison they run ``I`` local steps on batches of ``B/|S_t|``, the
-client's share of SCALA's concatenated batch (``flower_apps.papers``; our choice: the same samples
+What travels, both: the global weights down and the local weights up (``num-examples`` n_k =
+|D_k|, ``processed-examples``), as in FedAvg. In SCALA's comparison they run ``I`` local steps on
+batches of ``B/|S_t|``, the client's share of SCALA's concatenated batch (``flower_apps.papers``; our choice: the same samples
 per step as SCALA).
 
 Client contract: FedAvg's (:mod:`strategies.fedavg`); the ``algo`` record carries ``mu`` or ``tau``.

@@ -174,8 +174,11 @@ def _capture(grid):
 
 def test_stage_switch_and_each_stages_aggregation_rule():
     """encoder-rounds = 2 of 3: rounds 1-2 send each node its cluster's model and average the
-    replies within each cluster weighted by n_k; round 3 sends the frozen encoders and the head
-    and sets the head to the plain mean of the replies' heads; the encoders do not move."""
+    replies within each cluster weighted by n_k = |D_k|, the node's training-set size (from the
+    partition, not the samples its local steps processed; each reply's ``num-examples`` says
+    |D_k|, its ``processed-examples`` the samples processed); round 3 sends the frozen encoders
+    and the head and sets the head to the plain mean of the replies' heads; the encoders do not
+    move."""
     from strategies.core.records import action_of, record_to_numpy
 
     s, grid = _build(partition="quantity", **{"partition-classes-per-client": 3, "fedconcat.clusters": 2,
@@ -197,11 +200,17 @@ def test_stage_switch_and_each_stages_aggregation_rule():
         if action_of(msg) == "train":
             by_round.setdefault(int(msg.content.config_records["config"]["server-round"]), []).append((msg, rep))
     node_pid = s.partition_of
-    # round 2: per cluster, the n_k-weighted mean of its members' replies
+    # round 2: per cluster, the |D_k|-weighted mean of its members' replies
+    from tasks.env import library_env
+
     for c in (0, 1):
         members = [(m, r) for m, r in by_round[2] if s.assign[node_pid[m.metadata.dst_node_id]] == c]
         assert members, "every cluster has members in a full-participation round"
-        n = np.array([float(r.content.metric_records["metrics"]["num-examples"]) for _, r in members])
+        n = np.array([float(len(library_env(s.task, len(grid.contexts), "all", False,
+                                            node_pid[m.metadata.dst_node_id]).labeled())) for m, _ in members])
+        for (_, r), n_k in zip(members, n):
+            met = r.content.metric_records["metrics"]
+            assert float(met["num-examples"]) == n_k and float(met["processed-examples"]) < n_k
         for key, got in snapshots[2][0][c].items():
             if not np.issubdtype(got.dtype, np.floating):
                 continue

@@ -1,6 +1,14 @@
 """Aggregation as a fold: a round's train replies are added one by one as they arrive and let
-go (:class:`TrainFold`; FedAvg is its default, the ``num-examples``-weighted mean), and
-:func:`fold_train_round`, the FedAvg-shaped round (configure, exchange into the fold, finish)."""
+go (:class:`TrainFold`; FedAvg is its default, the mean weighted by each node's training-set size
+``num-examples``), and :func:`fold_train_round`, the FedAvg-shaped round (configure, exchange
+into the fold, finish).
+
+The weights follow Flower's convention: a train reply's ``num-examples`` is the node's
+training-set size |D_k| (McMahan et al. 2017, Algorithm 1: ``w <- sum_k n_k/n w_k``, n_k the
+client's number of examples), and the samples its local steps processed go out as
+``processed-examples`` (:func:`sized_metrics`). The round policy's ``upload-weight``
+(:func:`upload_weight`) chooses between them; with ``local-steps`` set every node processes the
+same number of samples, so ``processed-examples`` weighs every node alike whatever its data."""
 from __future__ import annotations
 
 import math
@@ -13,9 +21,37 @@ from flwr.serverapp import Grid
 
 from tasks.aggregate import RunningWeightedMean
 
+from tasks.config import ConfigError
+
 from .records import ARRAYS_KEY, METRICS_KEY, record_to_numpy
 
-__all__ = ["TrainFold", "fold_train_round"]
+__all__ = ["TrainFold", "fold_train_round", "sized_metrics", "upload_weight", "PROCESSED_KEY"]
+
+#: a train reply's metric: the samples the node's local steps processed this round
+PROCESSED_KEY = "processed-examples"
+
+
+def sized_metrics(metrics: dict[str, Any], dataset_size: int) -> dict[str, Any]:
+    """A train reply's metrics in Flower's convention: ``num-examples`` = ``dataset_size`` (the
+    node's training set |D_k|, FedAvg's weight), and the samples the local training processed
+    (the trainers' ``num-examples``, :func:`tasks.training.train_supervised`) as
+    :data:`PROCESSED_KEY`."""
+    return {**metrics, PROCESSED_KEY: float(metrics["num-examples"]), "num-examples": float(dataset_size)}
+
+
+def upload_weight(policy: Any, metrics: Any) -> float:
+    """The weight of one train reply in a FedAvg-style mean, as the round policy's
+    ``upload-weight`` says: the node's training-set size (``num-examples``, the default) or
+    the samples it processed (:data:`PROCESSED_KEY`)."""
+    how = getattr(policy, "upload_weight", "dataset-size")
+    if how == "dataset-size":
+        return float(metrics["num-examples"])
+    if how != "processed-examples":
+        raise ConfigError(f"upload-weight={how!r} is not one of: dataset-size, processed-examples")
+    if PROCESSED_KEY not in metrics:
+        raise ConfigError(f"upload-weight=processed-examples, but a train reply carries no '{PROCESSED_KEY}' "
+                          f"metric (this algorithm's client does not report it): use upload-weight=dataset-size")
+    return float(metrics[PROCESSED_KEY])
 
 
 class TrainFold:
@@ -23,7 +59,10 @@ class TrainFold:
     weighted mean of the uploaded states (``ARRAYS_KEY``) and of the strategy's
     ``reply_metrics``, kept as running float64 sums (:class:`tasks.aggregate.RunningWeightedMean`),
     so the server holds one model's worth of sums however many nodes reply. Weights: each
-    reply's ``num-examples`` (FedAvg), or 1 (``uniform=True``). :meth:`finish` loads the mean
+    reply's :func:`upload_weight` (FedAvg's n_k = |D_k|, the reply's ``num-examples``; or its
+    ``processed-examples`` with ``upload-weight=processed-examples``), or 1 (``uniform=True``).
+    A node that does not reply adds nothing: the weights renormalise over those that did
+    (``sum_k n_k`` runs over the replies). :meth:`finish` loads the mean
     into the global model (``strategy.load_aggregate``) and returns Flower's ``(arrays,
     metrics)``; fewer than ``min-nodes`` replies, or no weight: ``(None, None)``."""
 
@@ -34,7 +73,7 @@ class TrainFold:
         self.count = 0
 
     def weight(self, metrics: MetricRecord) -> float:
-        return 1.0 if self.uniform else float(metrics["num-examples"])
+        return 1.0 if self.uniform else upload_weight(self.strategy.policy, metrics)
 
     def add(self, reply: Message) -> None:
         met = reply.content.metric_records[METRICS_KEY]

@@ -25,8 +25,11 @@ powers are taken in log space [ours]. The draw is seeded by ``derive_seed(seed, 
 round)`` over the nodes in partition order, so a run repeats whatever Flower's node ids are.
 
 **Training** is FedAvg's (:mod:`strategies.fedavg`): each sampled client runs local SGD on
-cross-entropy from the global weights, the server sets ``w = sum_k n_k w_k / sum_k n_k``
-([T] averages uniformly; we keep FedAvg's n_k weights, as the other SCALA rows [ours]).
+cross-entropy from the global weights, the server sets ``w = sum_k n_k w_k / sum_k n_k`` over
+the clients that replied, n_k = |D_k| the client's training-set size (the reply's
+``num-examples``) ([T] averages uniformly; we keep FedAvg's n_k weights, as the other SCALA
+rows [ours]); ``upload-weight=processed-examples`` (the round policy) weights by the samples
+each client processed instead.
 
 **What travels.** Once per node, in the first round in which not every node is sampled: the
 ``label-histogram`` query (no arrays) and its reply, the node's partition id and its label

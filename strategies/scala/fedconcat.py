@@ -25,7 +25,11 @@ Algorithm
    head), all starting from the global initial model. The round's participants are sampled
    from all nodes (``fraction-train``), then grouped by cluster; node k trains FedAvg's local
    SGD from ``w_{c(k)}`` and ``w_c <- sum_{k in S_c} n_k w_k / sum n_k`` (every state entry, BN
-   buffers included); a cluster without participants keeps its model.
+   buffers included), n_k = |D_k| the node's training-set size (the reply's ``num-examples``;
+   the authors' ``experiments.py``, lines 1346-1347, weights each member's model by its share of
+   the cluster's data points, ``len(net_dataidx_map[r]) / total_data_points``), over the
+   members that replied; ``upload-weight=processed-examples`` (the round policy) weights by the
+   samples each processed instead. A cluster without participants keeps its model.
 3. **Concatenation.** The model ``f(x) = W e(x) + b`` is split generically: its last
    ``nn.Linear`` is the head, the rest the encoder ``e`` (:mod:`tasks.scala.fedconcat_model`; a
    model whose output is not that layer's is a ``ConfigError``). ``phi(x) = [e_1(x); ...;
@@ -33,7 +37,8 @@ Algorithm
    authors' code leaves their BatchNorm in train mode while the head trains].
 4. **Classifier stage**, rounds ``E+1..T``: a head ``W' (M x K'd), b'`` is trained by FedAvg over
    the sampled nodes, head only, uniform average ``W' <- mean_k W'_k`` (the authors': every
-   client takes the same number of steps). It starts from the cluster heads,
+   client takes the same number of steps, ``experiments.py`` line 1433; ``upload-weight``
+   does not apply here). It starts from the cluster heads,
    ``W' = [W_1 ... W_K']``, ``b' = sum_c b_c`` (``fedconcat.head-init = concat``, the authors'
    choice for CIFAR-100); ``random`` is a fresh seeded ``nn.Linear``.
 
@@ -66,10 +71,10 @@ Client contract
   the array record ``label-histogram`` (``counts``, M floats).
 * ``train`` with ``config["fedconcat-stage"] = "encoder"``: FedAvg's
   (:mod:`strategies.fedavg`): ``arrays`` (the cluster model) in; ``arrays``, ``metrics``
-  (``num-examples``, ``train-loss``) out.
+  (``num-examples`` = |D_k|, ``processed-examples``, ``train-loss``) out.
 * ``train`` with ``"classifier"``: ``encoder.<c>`` (cluster c's state without the head's keys,
   ``c = 0..fedconcat-clusters - 1``) and ``head`` (``weight``, ``bias``) in; local SGD on the
-  head over the frozen concatenated encoders; ``head`` and ``metrics`` out.
+  head over the frozen concatenated encoders; ``head`` and ``metrics`` (the same three) out.
 """
 from __future__ import annotations
 
@@ -85,6 +90,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from torch import nn
 
+from strategies.core.folds import sized_metrics, upload_weight
 from strategies.core.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -154,6 +160,7 @@ def _train_head(msg: Message, context: Context) -> Message:
         model, data, aug=env.augmenter, steps=num_local_steps(task, len(data)), batch_size=task.batch_size,
         optimizer=make_sgd(head.parameters(), task), device=env.device,
         seed=derive_seed(task.seed, "fedconcat-head", rnd, env.partition_id))
+    metrics = sized_metrics(metrics, len(data))
     return Message(RecordDict({HEAD: model_to_record(head), METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
 
 
@@ -269,12 +276,12 @@ class FedConcatStrategy(LabelHistograms, BaseStrategy):
             msgs.append(Message(content, dst_node_id=n, message_type="train", group_id=str(server_round)))
         # each reply folded into its cluster's running weighted mean as it arrives, then let go
         means: dict[int, RunningWeightedMean] = {}
-        told: dict[int, list[tuple[float, float]]] = {}   # cluster -> (loss, n_k) per reply
+        told: dict[int, list[tuple[float, float]]] = {}   # cluster -> (loss, weight) per reply
 
         def fold(r: Message) -> None:
             c = of[r.metadata.src_node_id]
             met = r.content.metric_records[METRICS_KEY]
-            n_k = float(met["num-examples"])
+            n_k = upload_weight(self.policy, met)   # |D_k| (module docstring, step 2)
             means.setdefault(c, RunningWeightedMean()).add(record_to_numpy(r.content.array_records[ARRAYS_KEY]), n_k)
             told.setdefault(c, []).append((float(met["train-loss"]), n_k))
 
