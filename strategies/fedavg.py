@@ -8,7 +8,7 @@ training examples (the paper's Algorithm 1; Flower's convention); the server set
 w <- sum_k n_k w_k / sum_k n_k over the clients that replied (all state-dict entries, BN
 buffers included). ``upload-weight=processed-examples`` (the round policy) weights by the
 samples each client's local steps processed instead (with ``local-steps`` set: the same for
-every client, i.e. the uniform mean).
+every client that holds a full batch, nearly the uniform mean).
 
 Client contract: a ``train`` message carries ``arrays`` (the global state dict), ``task``
 (the flat TaskConfig) and ``config`` (``server-round``); the reply carries ``arrays``

@@ -7,8 +7,9 @@ The weights follow Flower's convention: a train reply's ``num-examples`` is the 
 training-set size |D_k| (McMahan et al. 2017, Algorithm 1: ``w <- sum_k n_k/n w_k``, n_k the
 client's number of examples), and the samples its local steps processed go out as
 ``processed-examples`` (:func:`sized_metrics`). The round policy's ``upload-weight``
-(:func:`upload_weight`) chooses between them; with ``local-steps`` set every node processes the
-same number of samples, so ``processed-examples`` weighs every node alike whatever its data."""
+(:func:`upload_weight`) chooses between them; with ``local-steps`` set every node that holds a
+full batch processes the same number of samples, so ``processed-examples`` weighs those nodes
+alike whatever their data."""
 from __future__ import annotations
 
 import math
