@@ -67,14 +67,6 @@ class PersonalizedEvalStrategy(BaseStrategy):
             return "eval-weights"   # the model a node rebuilds for its personalised evaluation
         return super().record_kind(key, msg, direction)
 
-    def eval_period(self) -> int:
-        """Rounds between per-client evaluations (override: the algorithm's ``eval-every``)."""
-        return 1
-
-    def evaluates_round(self, server_round: int) -> bool:
-        """The per-client evaluation runs every :meth:`eval_period` rounds and at the last."""
-        return server_round % self.eval_period() == 0 or server_round == self.num_rounds
-
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> list[Message]:
         """Flower's hook: one ``evaluate`` message per node, with what it needs to rebuild its

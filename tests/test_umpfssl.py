@@ -138,11 +138,11 @@ def small_task(**over):
     return TaskConfig(**base)
 
 
-def run_fake(algo, task, num_nodes, rounds, fraction=1.0, **cfg_over):
+def run_fake(algo, task, num_nodes, rounds, fraction=1.0, eval_every=1, **cfg_over):
     spec = get_algorithm(algo)
     cfg = spec.parse_config({f"umpfssl.{k.replace('_', '-')}": v for k, v in cfg_over.items()})
     strat = spec.strategy_cls(task, cfg, algo, RoundPolicy(fraction_train=fraction, min_nodes=1,
-                                                           round_timeout=60))
+                                                           round_timeout=60, eval_every=eval_every))
     grid = RecordingGrid(num_nodes, dispatch, first_node_id=101)
     rows = []
     strat.start(grid, num_rounds=rounds, on_round_end=lambda r, m: rows.append(dict(m)))

@@ -205,9 +205,10 @@ class RoundLoopStrategy(Strategy):
         return []
 
     def evaluates_round(self, server_round: int) -> bool:
-        """Whether round ``server_round`` asks :meth:`configure_evaluate` (default: wherever a
-        subclass overrides it; e.g. a personalised evaluation every ``eval-every`` rounds)."""
-        return type(self).configure_evaluate is not RoundLoopStrategy.configure_evaluate
+        """Whether round ``server_round`` is evaluated: every ``eval-every`` rounds of the round
+        policy and the last (the server's evaluation, and :meth:`configure_evaluate`'s where a
+        subclass has one, e.g. a personalised evaluation)."""
+        return server_round % self.policy.eval_every == 0 or server_round == self.num_rounds
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Flower's hook: the round's evaluation metrics from the replies to :meth:`configure_evaluate`."""
@@ -315,8 +316,7 @@ class RoundLoopStrategy(Strategy):
             self.guard.check(rnd, metrics, before, "train-loss")
             metrics.update(self.meter.flush())
             metrics["dropped"] = sorted(set(self.dropped))
-            evaluated = rnd % self.policy.eval_every == 0 or rnd == num_rounds   # (run-config eval-every)
-            ev = {**(server_eval(rnd) if evaluated else {}), **federated}
+            ev = {**(server_eval(rnd) if self.evaluates_round(rnd) else {}), **federated}
             if "loss" in ev and self.guard.check(rnd, {**metrics, "loss": ev["loss"]}, before, "loss"):
                 metrics.update(diverged=1, skipped=1)
                 ev = {**server_eval(rnd), **federated}   # the model from before the round

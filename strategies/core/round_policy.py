@@ -45,15 +45,17 @@ class RoundPolicy:
                                             "sampled node at once in a deployment)")
     upload_weight: str = knob("dataset-size", choices=("dataset-size", "processed-examples"),
                               help="full-model servers (FedAvg and the algorithms that keep its mean): the weight of a "
-                                   "node's upload, its training-set size |D_k| (the reply's num-examples: McMahan et "
+                                   "node's upload, the size of its training set (the reply's num-examples: McMahan et "
                                    "al. 2017's n_k) or the samples it processed in the round (its processed-examples: "
-                                   "with local-steps set every node weighs the same)")
+                                   "with local-steps set every node that holds a full batch weighs the same); see "
+                                   "docs/baselines.md")
     system: str = knob("none", help="the simulated system whose clock times every round (sim-seconds in the "
                                     "metrics): none, a preset (semisfl, scala) or the path of a .toml file; "
                                     "see docs/config.md")
-    eval_every: int = knob(1, lo=1, help="the server's evaluation of the global model every this many rounds, and "
-                                         "always after round 0 and the last round (long runs: evaluation is a "
-                                         "share of a round's time)")
+    eval_every: int = knob(1, lo=1, help="evaluate every this many rounds, and always after round 0 and the last "
+                                         "round: the server's test of the global model and, for personalised "
+                                         "algorithms, every client's test of its own model (long runs: evaluation "
+                                         "is a share of a round's time)")
 
     def validate(self) -> None:
         """A ``ConfigError`` naming the key where a value is not usable (``system``: a preset,

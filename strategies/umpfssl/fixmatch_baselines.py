@@ -111,7 +111,6 @@ class FixMatchConfig:
     tau: float = knob(0.95, lo=0.0, hi=1.0, help="FixMatch confidence threshold")
     lambda_u: float = knob(1.0, lo=0.0, help="FixMatch unlabeled-loss weight")
     uratio: int = knob(1, lo=1, help="FixMatch unlabeled batch = uratio x batch-size")
-    eval_every: int = knob(1, lo=1, help="per-client test evaluation every this many rounds (and the last)")
 
 
 def batchnorm_keys(model: torch.nn.Module) -> list[str]:
@@ -312,9 +311,6 @@ class FixMatchFedStrategy(PersonalizedEvalStrategy):
     def load_aggregate(self, state: dict[str, np.ndarray]) -> None:
         load_numpy_state(self.model, state, strict=self.body_keys is None)  # the shared part only
 
-    def eval_period(self) -> int:
-        return self.cfg.eval_every
-
     def extra_state(self) -> dict[str, Any]:
         return {**super().extra_state(), "seeded": sorted(self.seeded)}
 
@@ -368,9 +364,6 @@ class LocalOnlyStrategy(PersonalizedEvalStrategy):
             out["train-loss"] = float(np.mean([float(m["train-loss"]) for m in mets]))
             out["mask-rate"] = float(np.mean([float(m["mask-rate"]) for m in mets]))
         return out
-
-    def eval_period(self) -> int:
-        return self.cfg.eval_every
 
 
 def spec(name: str, cls: type, desc: str, node_state: tuple[str, ...] = NODE_STATE,

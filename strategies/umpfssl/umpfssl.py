@@ -82,7 +82,7 @@ upload per round. We count transfers by reason (``transfers.<reason>``) and byte
   already holds, re-sent each participation because we keep no weights in
   ``context.state``. The paper's client caches them locally, so these are implementation
   overhead, not part of its cost. ``eval-weights`` down: models sent for per-client test
-  evaluation (``eval-every`` rounds).
+  evaluation (run-config ``eval-every`` rounds).
 
 """
 from __future__ import annotations
@@ -143,7 +143,6 @@ class UMPFSSLConfig:
     mc_samples: int = knob(10, lo=1, help="MC-dropout passes T_mc")
     entropy_floor: float = knob(1e-3, lo=0.0, lo_open=True, help="clamp of the normalised entropy Hbar")
     warmup_epochs: int = knob(5, lo=0, help="supervised CE epochs on D_k^s before round 1")
-    eval_every: int = knob(1, lo=1, help="per-client test evaluation every this many rounds (and the last)")
 
     def validate(self) -> None:
         if self.replace > self.helpers - 1:
@@ -471,9 +470,6 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
                 out[key] = float(np.nanmean(vals)) if not all(map(math.isnan, vals)) else float("nan")
         out.update(self.flush_counts())
         return out
-
-    def eval_period(self) -> int:
-        return self.cfg.eval_every
 
     # ---------------------------------------------------------------- checkpoints
     def extra_state(self) -> dict[str, Any]:
