@@ -144,6 +144,45 @@ def test_a_server_step_changes_only_sigma_and_a_client_step_only_psi():
         torch.testing.assert_close(v.detach(), want, rtol=1e-5, atol=1e-7)
 
 
+def _gap_factor(lr: float, lam: float, beta: float, steps: int) -> float:
+    """The factor by which heavy-ball SGD (torch's: v = beta v + g, x -= lr v) multiplies x after
+    ``steps`` steps on lam x^2 (gradient 2 lam x), from x = 1 and v = 0."""
+    x, v = 1.0, 0.0
+    for _ in range(steps):
+        v = beta * v + 2 * lam * x
+        x -= lr * v
+    return x
+
+
+@pytest.mark.parametrize("lr,lam,beta", [(1e-3, 10.0, 0.0), (0.02, 10.0, 0.0), (0.02, 10.0, 0.9), (0.02, 1.0, 0.9)])
+def test_without_confident_samples_the_l2_term_pulls_psi_onto_sigma_geometrically(lr, lam, beta):
+    """psi's only fixed point without a data term is sigma (lambda_l1 = 0): the client's steps
+    shrink the gap psi - sigma of every entry by the heavy-ball factor of lambda_l2 ||sigma -
+    psi||^2: (1 - 2 lr lambda_l2)^K with plain SGD (the authors' optimizer: 0.98 per step at lr
+    1e-3), and with momentum 0.9 at lr 0.02 by at most sqrt(0.9)^K whatever lambda_l2 (1 or
+    10): the collapse of psi onto sigma docs/baselines.md A2 measures."""
+    torch.manual_seed(2)
+    x, y = _sets(4, n=8)
+    net = _Net()
+    psi = _psi(net)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    sigma = {k: v.detach().clone() for k, v in net.named_parameters()}
+    psi_c = {k: v.clone().requires_grad_(True) for k, v in psi.items()}
+    gap0 = {k: (v.detach() - sigma[k]).clone() for k, v in psi_c.items()}
+    steps = 20
+    client_steps(net, psi_c, [], ArrayDataset(x, y), aug=Augmenter(1, 8, flip=False), steps=steps, batch_size=8,
+                 optimizer=torch.optim.SGD(list(psi_c.values()), lr=lr, momentum=beta), device=torch.device("cpu"),
+                 seed=3, tau=1.5, lambda_i=1.0, lambda_a=1.0, lambda_l1=0.0, lambda_l2=lam)
+    factor = _gap_factor(lr, lam, beta, steps)
+    for k, v in psi_c.items():
+        torch.testing.assert_close(v.detach() - sigma[k], factor * gap0[k], rtol=1e-4, atol=1e-6)
+    if beta == 0.0:
+        assert factor == pytest.approx((1 - 2 * lr * lam) ** steps)
+    else:
+        assert 0.2 < abs(factor) <= math.sqrt(beta) ** steps   # ~0.35: underdamped, the rate is sqrt(beta)
+
+
 def test_norm_affine_frozen_leaves_the_bn_parameters_out_of_the_server_step():
     from strategies.semisfl.fedmatch import FedMatchStrategy
     s = FedMatchStrategy(model=_Net(), labeled_data=_sets(1), test_data=_sets(2), norm_affine="frozen")

@@ -79,6 +79,12 @@ labels-at-server]. Budget [ours]: K_s = 50 server steps per round (Semi-SFL's in
 the authors: 1 epoch) and the run's ``local-steps`` on the clients; Semi-SFL's optimizer (SGD,
 momentum 0.9, lr 0.02 decayed by a cosine over the rounds: ``lr-schedule``, one rate per round
 for server and clients [ours]; the authors: lr 1e-3 divided by 3 on a validation plateau).
+The L2 term's fixed point is psi = sigma (the L1 term shifts it by lambda_l1/(2 lambda_l2) =
+5e-7) [C models/fedmatch/client.py line 102, config.py lines 82-83, commit 4947aa2]: a client
+step multiplies psi - sigma by 1 - 2 lr lambda_l2 with plain SGD (0.98 at the authors' lr 1e-3,
+config.py line 59, modules/train.py line 65) and by about sqrt(0.9) per step with momentum 0.9,
+so at the default optimizer psi is a copy of sigma within a few rounds (``psi-sigma-ratio``
+1.00; the probe in ``docs/baselines.md`` A2).
 
 Client contract
 ---------------

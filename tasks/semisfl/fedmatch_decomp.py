@@ -190,7 +190,9 @@ def unsupervised_loss(logits_weak: Tensor, logits_strong: Tensor, helper_probs: 
 
 def psi_regularizer(model: nn.Module, psi: Mapping[str, Tensor], lambda_l1: float, lambda_l2: float) -> Tensor:
     """``lambda_l1 sum |psi| + lambda_l2 sum (sigma - psi)^2`` over every decomposed kernel
-    (sums over entries, as the authors' ``reduce_sum``; sigma is a constant here)."""
+    (sums over entries, as the authors' ``reduce_sum``, models/fedmatch/client.py lines 98-102 at
+    commit 4947aa2; sigma is a constant here). Its minimum is psi = sigma (shifted by
+    lambda_l1/(2 lambda_l2)): without a data term psi converges onto sigma (``docs/baselines.md`` A2)."""
     params = dict(model.named_parameters())
     total = next(iter(psi.values())).new_zeros(())
     for k, v in psi.items():
