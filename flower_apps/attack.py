@@ -10,7 +10,8 @@ where no checkpoint is left), rebuilds the model and its cut from the config (``
 the model's default), takes the held-out images of the run's dataset (the library's **test
 split**, never trained on by the run; the run evaluates its accuracy on it), computes the bottom's
 activations in eval mode on the library's test view of the images, and trains the attacker of
-:mod:`tasks.scala.inversion` (a conv decoder with 64 internal channels, after ResSFL) on one part of
+:mod:`tasks.scala.inversion` (by default SCALA's shallow 64-channel conv decoder, ResSFL's
+``conv_normN0C64``; ``--blocks 4 --residual true`` gives ResSFL's deeper ``res_normN4C64``) on one part of
 them, picks its epoch on a second and reports MSE, SSIM and PSNR of its reconstructions on a
 third (the three parts disjoint, seeded: ``--test-fraction``, ``--val-fraction``, ``--seed``),
 beside the run's final accuracy and the trivial attacker that predicts the mean image.

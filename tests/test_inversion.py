@@ -104,7 +104,9 @@ def _mnist(n: int) -> np.ndarray:
     return load_dataset("mnist5k").test.x[:n]
 
 
-FAST = {"epochs": 6, "channels": 16, "blocks": 1, "batch_size": 16, "seed": 3}
+# (the default decoder, ResSFL's conv_normN with BN before its sigmoid, needs a larger step than
+# Adam's 1e-3 to leave the mean image behind in 6 epochs of 216 images)
+FAST = {"epochs": 6, "channels": 16, "blocks": 1, "batch_size": 8, "lr": 1e-2, "seed": 3}
 
 
 def test_split_is_disjoint_seeded_and_checked():
@@ -159,6 +161,66 @@ def test_a_flat_activation_and_an_odd_size_are_decoded_to_the_image_size():
     assert float(y.detach().min()) >= 0.0 and float(y.detach().max()) <= 1.0
 
 
+def _layers(m: nn.Module) -> list[str]:
+    """The decoder's layers in order as ``Kind(in,out)`` strings (ResBlocks as one entry)."""
+    from tasks.scala.inversion import ResBlock
+
+    out = []
+    for layer in m.modules():
+        if isinstance(layer, ResBlock):
+            out.append(f"Res({layer.body[2].in_channels},{layer.body[2].out_channels})")
+        elif isinstance(layer, (nn.Conv2d, nn.ConvTranspose2d)) and not any(
+                layer is sub for r in m.modules() if isinstance(r, ResBlock) for sub in r.modules()):
+            out.append(f"{type(layer).__name__}({layer.in_channels},{layer.out_channels})")
+    return out
+
+
+def test_the_default_decoder_is_scalas_shallow_64_channel_conv_normN0C64():
+    """SCALA Sec. 5.7: a shallow conv autoencoder with 64 internal channels, ResSFL's
+    conv_normN0C64 (architectures_torch.py conv_normN_AE): conv(in->64)+BN+ReLU, two stages
+    (transposed convs where up-sampling is needed, else convs), conv(64->C)+BN, sigmoid."""
+    from tasks.scala.inversion import InversionDecoder
+
+    assert (AttackConfig().channels, AttackConfig().blocks, AttackConfig().residual) == (64, 0, False)
+    cfg = AttackConfig()
+    # VGG-11's bottleneck at 28x28: 8x7x7 -> two up-samplings, both stages transposed convs
+    d = InversionDecoder((8, 7, 7), (1, 28, 28), cfg.channels, cfg.blocks, cfg.residual)
+    assert d.name == "conv_normN0C64"
+    assert _layers(d) == ["Conv2d(8,64)", "ConvTranspose2d(64,64)", "ConvTranspose2d(64,64)", "Conv2d(64,1)"]
+    assert [type(m).__name__ for m in d.out] == ["Conv2d", "BatchNorm2d"]   # ResSFL's last conv + BN
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in d.modules()) == 4
+    # no up-sampling needed (a cut at full size): the two stages are 3x3 convs ("two required")
+    d0 = InversionDecoder((32, 28, 28), (1, 28, 28))
+    assert _layers(d0) == ["Conv2d(32,64)", "Conv2d(64,64)", "Conv2d(64,64)", "Conv2d(64,1)"]
+    # three up-samplings: one more transposed conv after the two stages
+    assert _layers(InversionDecoder((8, 4, 4), (3, 32, 32))) == [
+        "Conv2d(8,64)", "ConvTranspose2d(64,64)", "ConvTranspose2d(64,64)", "ConvTranspose2d(64,64)", "Conv2d(64,3)"]
+    assert d(torch.randn(2, 8, 7, 7)).shape == (2, 1, 28, 28)
+
+
+def test_ressfls_deeper_res_normN4C64_is_an_option():
+    """ResSFL's res_normN4C64 (architectures_torch.py res_normN_AE): ResBlock(in->64)+ReLU, 4 x
+    (ResBlock+ReLU), the two stages, ResBlock(64->C), sigmoid."""
+    from tasks.scala.inversion import InversionDecoder, ResBlock
+
+    cfg = attack_config(blocks=4, residual=True)
+    d = InversionDecoder((8, 7, 7), (1, 28, 28), cfg.channels, cfg.blocks, cfg.residual)
+    assert d.name == "res_normN4C64"
+    assert _layers(d) == ["Res(8,64)", *["Res(64,64)"] * 4, "ConvTranspose2d(64,64)", "ConvTranspose2d(64,64)",
+                          "Res(64,1)"]
+    blocks = [m for m in d.modules() if isinstance(m, ResBlock)]
+    assert len(blocks) == 6 and all(len(b.body) == 6 for b in blocks)   # BN-ReLU-conv-BN-ReLU-conv
+    assert isinstance(blocks[0].shortcut, nn.Sequential) and isinstance(blocks[1].shortcut, nn.Identity)
+    # no up-sampling: the stages are residual blocks too
+    assert _layers(InversionDecoder((8, 28, 28), (1, 28, 28), 64, 4, True)) == [
+        "Res(8,64)", *["Res(64,64)"] * 6, "Res(64,1)"]
+    deeper = sum(p.numel() for p in d.parameters())
+    shallow = sum(p.numel() for p in InversionDecoder((8, 7, 7), (1, 28, 28)).parameters())
+    assert deeper > 5 * shallow, (deeper, shallow)
+    y = d(torch.randn(2, 8, 7, 7))
+    assert y.shape == (2, 1, 28, 28) and float(y.min()) >= 0.0 and float(y.max()) <= 1.0
+
+
 def test_a_users_model_and_cut():
     from flower_apps.attack import attack_model
 
@@ -208,6 +270,7 @@ def test_the_command_writes_the_attack_and_the_report_shows_it(split_run, tmp_pa
     assert rec["round"] == 1 and rec["accuracy"] == final["accuracy"]
     assert rec["cut"] == "conv1" and rec["cut-from"] == "run config" and rec["weights"] == "checkpoint.pt"
     assert rec["activation-shape"] == [32, 12, 12] and rec["n-test"] == 24
+    assert rec["decoder"] == "conv_normN1C8"   # --blocks 1 --channels 8, conv layers (the default)
     assert rec["settings"]["num-images"] == 120 and rec["settings"]["epochs"] == 2
     for k in ("attack-mse", "attack-ssim", "attack-psnr", "baseline-mse"):
         assert isinstance(rec[k], float) and math.isfinite(rec[k])

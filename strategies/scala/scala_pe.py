@@ -83,7 +83,7 @@ from strategies.core.records import algo_config
 from split_layer.transport import Envelope
 from split_layer.worker import SplitClientHooks, Worker, make_split_handlers
 from tasks.config import ConfigError, knob
-from tasks.scala.inversion import batch_ssim
+from tasks.scala.inversion import batch_ssim, normN_layers
 from tasks.training import derive_seed, seeded
 
 from ..client import AlgorithmClient
@@ -126,21 +126,8 @@ class SimulatedInverter(nn.Module):
         ca, ha, _ = (int(s) for s in act_shape)
         c, h, w = (int(s) for s in image_shape)
         ups = int(math.floor(math.log2(h / ha))) if h > ha else 0
-        mid = channels
-
-        def up() -> list[nn.Module]:
-            return [nn.ConvTranspose2d(mid, mid, 3, stride=2, padding=1, output_padding=1), nn.BatchNorm2d(mid)]
-
-        def same() -> list[nn.Module]:
-            return [nn.Conv2d(mid, mid, 3, padding=1), nn.BatchNorm2d(mid)]
-
-        layers: list[nn.Module] = [nn.Conv2d(ca, mid, 3, padding=1), nn.BatchNorm2d(mid), nn.ReLU()]
-        layers += [*(up() if ups >= 1 else same()), nn.ReLU()]
-        layers += [*(up() if ups >= 2 else same()), nn.ReLU()]
-        for _ in range(max(0, ups - 2)):
-            layers += [*up(), nn.ReLU()]
-        layers += [nn.Conv2d(mid, c, 3, padding=1), nn.BatchNorm2d(c)]
-        self.body = nn.Sequential(*layers)
+        body, head = normN_layers(ca, c, ups, channels, blocks=0, residual=False)   # conv3x3 + BN, the head
+        self.body = nn.Sequential(*body, *head)
         self.out_size = (h, w)
         for m in self.modules():  # ResSFL's init_weights
             if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):

@@ -30,16 +30,22 @@ Metrics (images in ``[0, 1]`` (``data_range``), ``[N, C, H, W]``):
 The attacker (:class:`InversionDecoder`, trained by :func:`train_decoder`, run by
 :func:`attack`):
 
-* Architecture, after ResSFL's ``res_normN4C64`` (its strongest test-time attacker, "N = 4,
-  64 internal channels"): a 3x3 conv to 64 channels, ``blocks`` (default 4) pre-activation
-  residual blocks (BN-ReLU-conv-BN-ReLU-conv plus the identity), then up-sampling by stride-2
-  transposed convs (3x3, + BN + ReLU) until the activation's spatial size reaches the image's,
-  and a 3x3 conv to the image's channels with a sigmoid. ``residual=False`` makes the blocks
-  plain conv-BN-ReLU (ResSFL's ``conv_normN``). [ours] where ResSFL has powers of two only
-  (32x32 CIFAR): the number of transposed convs is ``ceil(log2(H / H_a))``, and a bilinear
-  resize then gives exactly ``H x W`` (28 = 7 x 4 needs none); a flat activation ``[N, D]`` (a
-  cut after a linear layer) is read as ``[N, D, 1, 1]`` (ResSFL's confidence-score case); the
-  output conv has no BatchNorm before the sigmoid (ResSFL's has one).
+* Architecture: SCALA's attacker, "a shallow convolutional autoencoder with an internal channel
+  size of 64" (SCALA Sec. 5.7, Table VI), which in ResSFL's naming is ``conv_normN0C64``
+  (``MIA_torch.py`` lines 1501-1511 parse ``conv_normN<N>C<C>``: N middle layers, C internal
+  channels; ``architectures_torch.py`` lines 473-527, ``conv_normN_AE``), the default: a 3x3 conv
+  to 64 channels + BN + ReLU, ``blocks`` (default 0) more conv3x3 + BN + ReLU, two stages that are
+  each a stride-2 transposed conv (3x3, + BN) while up-sampling is needed and a 3x3 conv + BN
+  otherwise (each + ReLU), further transposed convs (+ BN + ReLU) while needed, a 3x3 conv to the
+  image's channels + BN and a sigmoid (:func:`normN_layers`). ``residual=True`` gives ResSFL's
+  ``res_normN_AE`` (lines 533-582; its residual blocks, lines 12-51, are BN-ReLU-conv-BN-ReLU-conv
+  plus a shortcut) in place of each conv layer and of the output conv: ``residual=True, blocks=4``
+  is ResSFL's deeper ``res_normN4C64``, its strongest test-time attacker. The record names the
+  decoder built (``decoder``). [ours] where ResSFL has powers of two only (32x32 CIFAR): the
+  number of up-samplings is ``ceil(log2(H / H_a))`` and a bilinear resize before the output
+  layer then gives exactly ``H x W`` (28 = 7 x 4 needs none); a flat activation ``[N, D]`` (a cut
+  after a linear layer) is read as ``[N, D, 1, 1]`` (ResSFL's confidence-score case); PyTorch's
+  default initialisation (as ResSFL's ``MIA_attack``, which does not apply ``init_weights``).
 * Training as ResSFL: Adam, lr 1e-3, batch 32, MSE loss, 50 epochs there (default here 20
   [ours], a CPU budget: a knob), the decoder of the epoch with the lowest validation MSE is
   the one tested.
@@ -80,6 +86,7 @@ __all__ = [
     "attack",
     "gaussian_window",
     "mse",
+    "normN_layers",
     "psnr",
     "split_indices",
     "ssim",
@@ -192,24 +199,65 @@ def quality(recon: torch.Tensor, images: torch.Tensor, ssim_padding: str = "vali
 
 
 # --------------------------------------------------------------------------- the attacker's decoder
-class _ResBlock(nn.Module):
-    """Pre-activation residual block (BN-ReLU-conv-BN-ReLU-conv + identity), width kept."""
+class ResBlock(nn.Module):
+    """ResSFL's ``ResBlock(in, out, bn=True)`` (``architectures_torch.py`` lines 12-51):
+    BN-ReLU-conv3x3-BN-ReLU-conv3x3 plus a shortcut (the identity, or conv1x1 without bias + BN
+    where the width changes); no ReLU after the sum."""
 
-    def __init__(self, ch: int) -> None:
+    def __init__(self, ch: int, out: int | None = None) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.BatchNorm2d(ch), nn.ReLU(), nn.Conv2d(ch, ch, 3, padding=1),
-                                  nn.BatchNorm2d(ch), nn.ReLU(), nn.Conv2d(ch, ch, 3, padding=1))
+        out = ch if out is None else out
+        self.body = nn.Sequential(nn.BatchNorm2d(ch), nn.ReLU(), nn.Conv2d(ch, out, 3, padding=1),
+                                  nn.BatchNorm2d(out), nn.ReLU(), nn.Conv2d(out, out, 3, padding=1))
+        self.shortcut: nn.Module = (nn.Identity() if out == ch else
+                                    nn.Sequential(nn.Conv2d(ch, out, 1, bias=False), nn.BatchNorm2d(out)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.body(x)
+        return self.shortcut(x) + self.body(x)
+
+
+def normN_layers(in_ch: int, out_ch: int, ups: int, channels: int = 64, blocks: int = 0,
+                 residual: bool = False) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The layers of ResSFL's decoders ``conv_normN<N>C<C>`` (``conv_normN_AE``,
+    ``architectures_torch.py`` lines 473-527) and ``res_normN<N>C<C>`` (``res_normN_AE``, lines
+    533-582), N = ``blocks``, C = ``channels``, with ``ups`` stride-2 up-samplings; the names are
+    parsed in ``MIA_torch.py`` lines 1501-1523 (``MIA_attack``) and 462-483 (the simulated
+    attacker). Returned as ``(body, head)``: ``head`` maps C channels to ``out_ch`` (conv3x3 + BN,
+    or a ``ResBlock``), the final activation is the caller's. ``conv``: conv3x3(in -> C) + BN + ReLU,
+    N x (conv3x3 + BN + ReLU), two stages that are each a stride-2 transposed conv3x3 + BN while
+    up-sampling is needed and a conv3x3 + BN otherwise (each + ReLU), then the remaining
+    ``ups - 2`` transposed convs (+ BN + ReLU). ``res``: the same with ``ResBlock(in, C)`` + ReLU
+    first, N x (``ResBlock`` + ReLU), a ``ResBlock`` where a stage needs no up-sampling, and
+    ``ResBlock(C, out)`` as the head."""
+    c = channels
+
+    def up() -> list[nn.Module]:
+        return [nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=1), nn.BatchNorm2d(c)]
+
+    def same() -> list[nn.Module]:
+        return [ResBlock(c)] if residual else [nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)]
+
+    body: list[nn.Module] = ([ResBlock(in_ch, c), nn.ReLU()] if residual else
+                             [nn.Conv2d(in_ch, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()])
+    for _ in range(blocks):
+        body += [*same(), nn.ReLU()]
+    body += [*(up() if ups >= 1 else same()), nn.ReLU()]
+    body += [*(up() if ups >= 2 else same()), nn.ReLU()]
+    for _ in range(max(0, ups - 2)):
+        body += [*up(), nn.ReLU()]
+    head: list[nn.Module] = [ResBlock(c, out_ch)] if residual else [nn.Conv2d(c, out_ch, 3, padding=1),
+                                                                      nn.BatchNorm2d(out_ch)]
+    return body, head
 
 
 class InversionDecoder(nn.Module):
     """Maps activations ``[N, C_a, H_a, W_a]`` (or flat ``[N, D]``) to images ``[N, C, H, W]`` in
-    [0, 1] (see the module docstring for the architecture)."""
+    [0, 1]: ResSFL's ``conv_normN<blocks>C<channels>`` (default ``conv_normN0C64``, SCALA's
+    attacker) or, ``residual=True``, ``res_normN<blocks>C<channels>`` (:func:`normN_layers`; the
+    module docstring)."""
 
     def __init__(self, act_shape: tuple[int, ...], image_shape: tuple[int, int, int], channels: int = 64,
-                 blocks: int = 4, residual: bool = True) -> None:
+                 blocks: int = 0, residual: bool = False) -> None:
         super().__init__()
         if len(act_shape) == 1:
             act_shape = (act_shape[0], 1, 1)
@@ -218,17 +266,12 @@ class InversionDecoder(nn.Module):
         ca, ha, wa = (int(s) for s in act_shape)
         c, h, w = (int(s) for s in image_shape)
         self.out_size = (h, w)
-        layers: list[nn.Module] = [nn.Conv2d(ca, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()]
-        for _ in range(blocks):
-            layers += [_ResBlock(channels)] if residual else [nn.Conv2d(channels, channels, 3, padding=1),
-                                                                 nn.BatchNorm2d(channels), nn.ReLU()]
+        self.name = f"{'res' if residual else 'conv'}_normN{blocks}C{channels}"
         ups = max(0, math.ceil(math.log2(max(h / ha, w / wa)))) if max(h / ha, w / wa) > 1 else 0
-        for _ in range(ups):
-            layers += [nn.ConvTranspose2d(channels, channels, 3, stride=2, padding=1, output_padding=1),
-                       nn.BatchNorm2d(channels), nn.ReLU()]
-        self.body = nn.Sequential(*layers)
+        body, head = normN_layers(ca, c, ups, channels, blocks, residual)
+        self.body = nn.Sequential(*body)
         self.resize = (ha * 2 ** ups, wa * 2 ** ups) != (h, w)
-        self.out = nn.Conv2d(channels, c, 3, padding=1)
+        self.out = nn.Sequential(*head)
         self.upsamplings = ups
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
@@ -248,9 +291,12 @@ class AttackConfig:
     epochs: int = knob(20, lo=1, help="decoder training epochs over the attacker-train images (ResSFL: 50)")
     batch_size: int = knob(32, lo=1, help="decoder mini-batch size (ResSFL: 32)")
     lr: float = knob(1e-3, lo=0.0, lo_open=True, help="Adam learning rate (ResSFL: 1e-3)")
-    channels: int = knob(64, lo=1, help="the decoder's internal channels (ResSFL's res_normN4C64: 64)")
-    blocks: int = knob(4, lo=0, help="residual blocks before up-sampling (ResSFL's res_normN4C64: 4)")
-    residual: bool = knob(True, help="residual blocks (ResSFL res_normN); false: plain conv-BN-ReLU (conv_normN)")
+    channels: int = knob(64, lo=1, help="the decoder's internal channels C (SCALA Sec. 5.7: 64)")
+    blocks: int = knob(0, lo=0, help="the decoder's middle layers N (SCALA's shallow conv_normN0C64: 0; "
+                                     "ResSFL's res_normN4C64: 4)")
+    residual: bool = knob(False, help="false: conv layers, ResSFL's conv_normN<N>C<C> (SCALA's attacker); "
+                                      "true: residual blocks, ResSFL's res_normN<N>C<C> (with blocks=4 its "
+                                      "deeper res_normN4C64)")
     test_fraction: float = knob(0.2, lo=0.0, hi=1.0, lo_open=True, hi_open=True,
                                 help="share of the held-out images the decoder is tested on (never trained on)")
     val_fraction: float = knob(0.1, lo=0.0, hi=1.0, hi_open=True,
@@ -398,7 +444,7 @@ def attack(bottom: nn.Module, images: Any, *, transform: Callable[[torch.Tensor]
     b = quality(mean_img.cpu(), x[t_te].cpu(), cfg.ssim_padding)
     return {"mse": q["mse"], "ssim": q["ssim"], "psnr": q["psnr"],
             "baseline-mse": b["mse"], "baseline-ssim": b["ssim"], "baseline-psnr": b["psnr"],
-            "ssim-window": _ssim_window_for(x.shape[2], x.shape[3]),
+            "ssim-window": _ssim_window_for(x.shape[2], x.shape[3]), "decoder": decoder.name,
             "n-train": len(tr), "n-val": len(va), "n-test": len(te),
             "activation-shape": list(acts.shape[1:]), "image-shape": list(x.shape[1:]),
             "best-epoch": log["best-epoch"], "final-train-mse": log["train-mse"][-1] if log["train-mse"] else None,
