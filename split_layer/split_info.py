@@ -5,6 +5,11 @@ a simulation runs at once, noted in the strategy's node directory; a split node 
 ``node-info`` as well. Its label histogram ``n_k`` (entry ``hist``, bytes ``histogram``) is asked
 only by a strategy that uses it (``asks_histogram``: SCALA's priors, CS-SFL's class-balanced
 selection): every other node keeps its label counts.
+
+On a simulated system (run-config ``system``) a node's draws are keyed by its partition id
+(:meth:`strategies.core.node_directory.NodeDirectory.key_of`), which the server learns from this
+very reply: the query's bytes and work are billed once its replies are noted, in the same stage
+(:class:`_HeldBills`), so a node first asked within a round is timed with its own draws.
 """
 from __future__ import annotations
 
@@ -19,6 +24,35 @@ __all__ = ["SplitInfoQuery", "HISTOGRAM_KEY"]
 
 #: ``split-info`` config: the node adds its label histogram (``tensors["histogram"]``)
 HISTOGRAM_KEY = "label-histogram"
+
+
+class _HeldBills:
+    """Stands in for the strategy's clock (:class:`strategies.core.clock.SimClock`) during the
+    ``split-info`` exchange: holds the bills (``add_bytes``, ``add_work``, ``missing``) that name
+    a node until the directory knows its partition id (:meth:`charge`); everything else is the
+    clock's."""
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        self._bills: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._clock, name)
+
+    def add_bytes(self, node: int, direction: str, nbytes: int) -> None:
+        self._bills.append(("add_bytes", (node, direction, nbytes)))
+
+    def add_work(self, reply: Any) -> None:
+        self._bills.append(("add_work", (reply,)))
+
+    def missing(self, node: int) -> None:
+        self._bills.append(("missing", (node,)))
+
+    def charge(self) -> None:
+        """The held bills, to the clock (each node keyed as the directory knows it now)."""
+        for name, args in self._bills:
+            getattr(self._clock, name)(*args)
+        self._bills.clear()
 
 
 class SplitInfoQuery:
@@ -37,8 +71,21 @@ class SplitInfoQuery:
             return
         self.asked.update({n: server_round for n in todo})
         config = {HISTOGRAM_KEY: True} if s.asks_histogram else {}
-        replies = s.payloads.exchange(transport, server_round, SPLIT_INFO,
-                                      {n: Envelope(config=dict(config)) for n in todo})
+        clock, held = s.clock, _HeldBills(s.clock)
+        with clock.stage():   # one stage: the exchange, then its bills under the nodes' partition ids
+            s.clock = held
+            try:
+                replies = s.payloads.exchange(transport, server_round, SPLIT_INFO,
+                                              {n: Envelope(config=dict(config)) for n in todo})
+            finally:
+                s.clock = clock
+            self.note(replies)
+            held.charge()
+
+    def note(self, replies: dict[int, Envelope]) -> None:
+        """The replies into the node directory (a node whose histogram, where asked, is not one
+        count per class is dropped)."""
+        s = self.strategy
         classes = self.num_classes() if s.asks_histogram else 0
         for n, env in replies.items():
             stats: dict[str, Any] = {"n": int(env.config["num-examples"])}
