@@ -12,7 +12,8 @@ the paper reports, its claims):
   (:func:`verdict`) beside what the paper reports;
 * **The paper's tables**: every method of the paper's tables with the paper's number and ours
   (mean ± sample std over the committed seeds), or "not regenerable" where no run folder of its
-  row is committed, with the command that reruns it;
+  row is committed, with the command that reruns it; a row whose note calls it a reconstruction
+  is tagged "(reconstruction)";
 * **Every committed row**: :func:`flower_apps.report.seed_table` (final, best and last-5 mean),
   the paired table against the paper's own method, the onset table where runs logged
   pseudo-label histograms, and a figure of the mean curves (``<paper>.png``).
@@ -23,6 +24,7 @@ fails when the committed one differs.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,6 +127,15 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
                       *("| " + " | ".join(r) + " |" for r in rows)]) + "\n"
 
 
+def _row_cell(paper: Paper, name: str) -> str:
+    """A row as the paper's tables show it: its name, tagged "(reconstruction)" where its note
+    says it is one (a method rebuilt from partial sources: ``docs/baselines.md``), so that its
+    number is not read as the original's."""
+    row = paper.rows_by_name.get(name)
+    tagged = row is not None and re.search(r"\breconstruction\b", row.note) is not None
+    return f"`{name}`" + (" (reconstruction)" if tagged else "")
+
+
 def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", figure: str = "") -> tuple[str, list]:
     """The page's markdown and the seed groups it was made of (for the figure)."""
     runs = [read_run(d) for d in sorted(folder.iterdir()) if (d / "metrics.jsonl").exists()] if folder.is_dir() else []
@@ -158,12 +169,12 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
         if got:
             for r in got:
                 st = by_label[r].stats()
-                lines.append([table, method, paper_num, f"`{r}`", _pm(st["final"]),
+                lines.append([table, method, paper_num, _row_cell(paper, r), _pm(st["final"]),
                               ",".join(str(s) for s in st["seeds"])])
         else:
             why = (f"not regenerable: no committed run folder (`{rerun} {' '.join(rows)}`)" if rows
                    else f"no row ({paper.missing.get(method, 'not implemented')})")
-            lines.append([table, method, paper_num, ", ".join(f"`{r}`" for r in rows), why, ""])
+            lines.append([table, method, paper_num, ", ".join(_row_cell(paper, r) for r in rows), why, ""])
     out += ["## The paper's tables\n",
             "The paper's numbers are its own setting's (dataset and model as the paper states them), ours are "
             f"on {dataset} at the budget above: compare orderings, not values.\n",

@@ -13,8 +13,9 @@ between teacher and student for pseudo-label generation* -- aimed at client stat
 and low communication. The Semi-SFL paper adds that it relies on an "IIDness
 hyper-parameter" and is tested on the global teacher. Everything else below is the library's
 reconstruction (``docs/baselines.md`` A3), tagged [rec], or this module's own choice, tagged
-[ours]. Tag results
-"reconstruction"; re-check against the paper before quoting numbers.
+[ours]. Results are tagged "reconstruction" (the row's note in ``conf/papers/semisfl.toml``; the
+results page's tables and the claim against it carry the tag: :mod:`flower_apps.pages`);
+re-check against the paper before quoting numbers.
 
 Setting: labels on the server only (``server-labels``: D_l), unlabeled clients; full model
 w (student) and its EMA w~ (teacher), both on the server.
