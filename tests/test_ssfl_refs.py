@@ -29,6 +29,11 @@ def _state(model) -> dict[str, np.ndarray]:
             if v.is_floating_point()}
 
 
+def _params(model) -> set[str]:
+    """The model's parameters: the entries the elastic / anchor rules apply to (not BN's buffers)."""
+    return {k for k, _ in model.named_parameters()}
+
+
 # ----------------------------------------------------------------------------------- EASGD
 def test_easgd_elastic_step_by_hand():
     """Two workers, a 2-vector: x_i <- x_i - a (x_i - z), z <- z + a sum_i (x_i - z) with the
@@ -51,10 +56,36 @@ def test_easgd_elastic_step_by_hand():
     np.testing.assert_allclose(after, before, atol=1e-6)
 
 
+def test_the_elastic_and_anchor_rules_leave_batchnorm_buffers_to_each_worker():
+    """As the originals (optimizers over model.parameters()): the rules apply to the entries
+    ``params``; any other entry (a BN running mean) keeps the worker's value, is contributed as
+    the worker's own to OverlapSGD's all-reduce and has no anchor momentum; EASGD's centre takes
+    the mean of the workers' buffers (the server evaluates z)."""
+    from strategies.ssfl.elastic import easgd_centre, easgd_worker, overlap_worker
+
+    z = {"w": np.array([1.0], np.float32), "bn.running_mean": np.array([0.0], np.float32)}
+    x1 = {"w": np.array([3.0], np.float32), "bn.running_mean": np.array([4.0], np.float32)}
+    x2 = {"w": np.array([0.0], np.float32), "bn.running_mean": np.array([1.0], np.float32)}
+    a, params = 0.45, {"w"}
+    w1 = easgd_worker(x1, z, a, params)
+    assert float(w1["w"][0]) == pytest.approx(2.1) and float(w1["bn.running_mean"][0]) == 4.0   # not pulled
+    c = easgd_centre(z, [x1, x2], a, params)
+    assert float(c["w"][0]) == pytest.approx(1.0 + 0.45 * (2.0 - 1.0))                  # the elastic rule
+    assert float(c["bn.running_mean"][0]) == pytest.approx(2.5)                          # the workers' mean
+    # without params (every entry): the old all-entries rule, buffers pulled too
+    assert float(easgd_worker(x1, z, a)["bn.running_mean"][0]) == pytest.approx(4.0 - 0.45 * 4.0)
+    pulled, v, contrib = overlap_worker(x1, None, z, pull=0.6, gmf=0.7, lr=0.5, params=params)
+    assert float(pulled["w"][0]) == pytest.approx(0.4 * 3.0 + 0.6 * 1.0)
+    assert float(pulled["bn.running_mean"][0]) == 4.0 and float(contrib["bn.running_mean"][0]) == 4.0
+    assert set(v) == {"w"}
+
+
 def test_easgd_round_through_the_nodes_matches_the_hand_rule(monkeypatch):
     """A real round with two nodes (ClientApp dispatch, node state): after the period each node
-    keeps x_i = (z + d_i) - a d_i and the server's centre is z + a (d_1 + d_2), a = 0.9 / 2; the
-    next round starts each node from its own kept x_i, not from the centre."""
+    keeps x_i = (z + d_i) - a d_i and the server's centre is z + a (d_1 + d_2), a = 0.9 / 2, on
+    the parameters; BatchNorm's running statistics (the model has a BatchNorm1d) are not pulled:
+    each node keeps its own z + d_i, the centre takes their mean z + (d_1 + d_2) / 2. The next
+    round starts each node from its own kept x_i, not from the centre."""
     import strategies.ssfl.elastic as el
     from tests.test_conformance import build
 
@@ -67,13 +98,17 @@ def test_easgd_round_through_the_nodes_matches_the_hand_rule(monkeypatch):
     s.start(grid, num_rounds=1, on_round_end=lambda r, m: rows.append(dict(m)))
     a = 0.9 / 2
     assert rows[0]["elastic-a"] == pytest.approx(a)
-    z1 = _state(s.model)
+    z1, params = _state(s.model), _params(s.model)
+    buffers = set(z0) - params
+    assert buffers == {"stages.fc1.2.running_mean", "stages.fc1.2.running_var"}, buffers
     for k in z0:
-        np.testing.assert_allclose(z1[k], z0[k] + a * (shift[0] + shift[1]), atol=1e-5, err_msg=k)
+        want = z0[k] + (a * (shift[0] + shift[1]) if k in params else (shift[0] + shift[1]) / 2)
+        np.testing.assert_allclose(z1[k], want, atol=1e-5, err_msg=k)
     for pid, ctx in enumerate(grid.contexts.values()):
         x = {k: ctx.state[el.X_KEY][k].numpy() for k in ctx.state[el.X_KEY].keys()}
         for k in z0:
-            np.testing.assert_allclose(x[k], z0[k] + shift[pid] - a * shift[pid], atol=1e-5, err_msg=k)
+            want = z0[k] + shift[pid] - (a * shift[pid] if k in params else 0.0)
+            np.testing.assert_allclose(x[k], want, atol=1e-5, err_msg=k)
     # round 2: each node's reply is its kept x_i plus its shift (its own model, not the centre)
     replies = []
     grid_handler = grid.handler
@@ -82,7 +117,8 @@ def test_easgd_round_through_the_nodes_matches_the_hand_rule(monkeypatch):
     for pid, r in replies:
         got = {k: r.content.array_records["arrays"][k].numpy() for k in z0}
         for k in z0:
-            np.testing.assert_allclose(got[k], z0[k] + (2 - a) * shift[pid], atol=1e-5, err_msg=k)
+            np.testing.assert_allclose(got[k], z0[k] + ((2 - a) if k in params else 2) * shift[pid], atol=1e-5,
+                                       err_msg=k)
 
 
 def test_easgd_unstable_moving_rate_is_a_config_error():
@@ -153,7 +189,11 @@ def test_overlapsgd_pulls_toward_the_previous_rounds_anchor(monkeypatch):
             np.testing.assert_allclose(sent[r, 0][k], want, atol=1e-5)
             np.testing.assert_allclose(sent[r, 1][k], want, atol=1e-5)
 
+    params = _params(s.model)
+
     def rollout(stale: bool) -> dict[str, np.ndarray]:
+        """The recursion in numpy; a BatchNorm buffer (not a parameter) is not pulled, has no
+        anchor momentum and is contributed as the worker's own."""
         out = {}
         for k in z0:
             anchor = z0[k].copy()
@@ -164,6 +204,10 @@ def test_overlapsgd_pulls_toward_the_previous_rounds_anchor(monkeypatch):
                 target = anchor if stale else (trained[0] + trained[1]) / 2
                 contrib = []
                 for i in range(2):
+                    if k not in params:
+                        x[i] = trained[i]
+                        contrib.append(trained[i])
+                        continue
                     x[i] = (1 - a) * trained[i] + a * target
                     v[i] = gmf * v[i] + (target - x[i]) / lr
                     contrib.append(target - lr * v[i])

@@ -63,8 +63,12 @@ Choices the sources leave open, ours:
   row sets it true.
 * [ours] round 1 sends the initial model as it is (the code recomputes its BN statistics on
   D_S first); from round 2 on the model sent is the evaluated one, sBN included, as in the code.
-* [C] the server's fine-tuning starts from a fresh SGD state every round (the code reloads the
-  initial optimizer state each time); the clients' SGD state persists.
+* [ours] the server's fine-tuning starts from a fresh SGD state every round, as the authors'
+  code did up to commit 246dc1b (``src/modules/modules.py``, ``Server.train`` loads
+  ``self.optimizer_state_dict``, saved once in ``Server.__init__``, and never writes it back).
+  From commit a11493e on (HEAD 4ec3663: ``Server.train``, line 201) the code writes the state
+  back after each fine-tuning, so its server SGD momentum persists across rounds; not followed
+  here. The clients' SGD state persists (``Client.train``), as in every version.
 * [ours] sBN batches are ``batch-size`` (a last batch of 1 joins the one before it); a model
   without BatchNorm running statistics (GroupNorm, none, a user's model) skips sBN.
 * [ours] a round with fewer than ``min-nodes`` replies is skipped whole (no server stage), as

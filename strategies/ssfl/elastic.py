@@ -44,11 +44,21 @@ momentum from ``'elastic.momentum'``, trains, applies its rule and stores x_i (O
 v_i, ``'elastic.anchor-v'``); the reply carries ``arrays`` (see above) and ``metrics``
 (``num-examples``: samples seen, ``train-loss``).
 
+Parameters only, as the authors' code [C]: the elastic / anchor rule applies to the model's
+parameters, not to its buffers. The originals are optimizers over ``model.parameters()``
+(github.com/JYWa/Overlap_Local_SGD ``train_LocalSGD.py`` lines 151 and 160) whose anchors and
+rules run over their ``param_groups`` (``distoptim/EASGD.py`` lines 78-82, 147-157
+``block_average`` and 175-181 ``average``; ``distoptim/OverlapLocalSGD.py`` lines 79-82 and
+155-173; the SSFL authors' copy, ``LocalSGD.py`` lines 146-158 and 214-240). BatchNorm's
+running statistics stay each worker's own: never pulled, never averaged (with the SSFL paper's
+GroupNorm there are none).
+
 Choices the sources leave open, ours [ours]:
 
-* the elastic / anchor rule applies to every entry of the state dict (BN running statistics
-  included; integer buffers are rounded), as the originals apply it to every tensor they hold;
-  with the paper's GroupNorm there are no buffers;
+* the server evaluates the centre / anchor z, which has no counterpart in the originals
+  (each worker evaluates its own model, ``train_LocalSGD.py`` line 178): its buffers are the
+  mean of the workers' (EASGD: of the pre-update x_i; OverlapSGD: the workers contribute their
+  own buffers to the all-reduce; integer buffers rounded), and a worker that starts from z takes them;
 * the local SGD momentum buffer persists on the worker across periods (as in the authors'
   optimizer, which never resets it), with Nesterov momentum (``nesterov``, as the OverlapSGD authors' code);
 * constant learning rate (the task's ``lr``; the originals' step schedule, x0.1 at 50% and 83%
@@ -121,10 +131,19 @@ def _cast_like(values: dict[str, np.ndarray], like: dict[str, np.ndarray]) -> di
     return out
 
 
-def easgd_worker(x: dict[str, np.ndarray], z: dict[str, np.ndarray], a: float) -> dict[str, np.ndarray]:
-    """The worker's elastic step ``x <- x - a (x - z)``."""
+def _ruled(keys, params) -> set[str]:
+    """The entries the elastic / anchor rule applies to: ``params`` (the model's parameters), or
+    every entry where ``params`` is None."""
+    return set(keys) if params is None else set(params) & set(keys)
+
+
+def easgd_worker(x: dict[str, np.ndarray], z: dict[str, np.ndarray], a: float,
+                 params=None) -> dict[str, np.ndarray]:
+    """The worker's elastic step ``x <- x - a (x - z)`` on the entries ``params`` (default: all);
+    the others (BatchNorm's buffers) keep the worker's own values."""
     xf, zf = _f64(x), _f64(z)
-    return _cast_like({k: xf[k] - a * (xf[k] - zf[k]) for k in xf}, x)
+    ruled = _ruled(xf, params)
+    return _cast_like({k: xf[k] - a * (xf[k] - zf[k]) if k in ruled else xf[k] for k in xf}, x)
 
 
 class SumFold:
@@ -149,29 +168,38 @@ class SumFold:
         return _cast_like(self.finish(self.sums, self.count), self.like)
 
 
-def easgd_fold(z: dict[str, np.ndarray], a: float) -> SumFold:
-    """The centre's step ``z <- z + a sum_i (x_i - z)``, folded over the workers' pre-update ``x_i``."""
+def easgd_fold(z: dict[str, np.ndarray], a: float, params=None) -> SumFold:
+    """The centre's step ``z <- z + a sum_i (x_i - z)`` on the entries ``params`` (default: all),
+    folded over the workers' pre-update ``x_i``; the other entries (BatchNorm's buffers) become the
+    mean of the workers' ``z + sum_i (x_i - z) / n``."""
     zf = _f64(z)
-    return SumFold(z, lambda sums, _: {k: zf[k] + a * sums[k] for k in zf}, centre=zf)
+    ruled = _ruled(zf, params)
+    return SumFold(z, lambda sums, n: {k: zf[k] + (a * sums[k] if k in ruled else sums[k] / n) for k in zf},
+                   centre=zf)
 
 
-def easgd_centre(z: dict[str, np.ndarray], xs: list[dict[str, np.ndarray]], a: float) -> dict[str, np.ndarray]:
-    """The centre's step ``z <- z + a sum_i (x_i - z)`` with the workers' pre-update ``x_i``."""
-    fold = easgd_fold(z, a)
+def easgd_centre(z: dict[str, np.ndarray], xs: list[dict[str, np.ndarray]], a: float,
+                 params=None) -> dict[str, np.ndarray]:
+    """The centre's step ``z <- z + a sum_i (x_i - z)`` with the workers' pre-update ``x_i``
+    (:func:`easgd_fold`)."""
+    fold = easgd_fold(z, a, params)
     for x in xs:
         fold.add(x)
     return fold.result()
 
 
 def overlap_worker(x: dict[str, np.ndarray], v: dict[str, np.ndarray] | None, z: dict[str, np.ndarray],
-                   pull: float, gmf: float, lr: float):
+                   pull: float, gmf: float, lr: float, params=None):
     """OverlapSGD's period end on one worker (``OverlapLocalSGD.average``): returns the pulled
-    ``x``, the anchor momentum ``v`` (float32) and the contribution ``z - lr v`` to the all-reduce."""
+    ``x``, the anchor momentum ``v`` (float32) and the contribution ``z - lr v`` to the all-reduce,
+    on the entries ``params`` (default: all); the other entries (BatchNorm's buffers) are not
+    pulled, have no ``v`` and are contributed as the worker's own."""
     xf, zf = _f64(x), _f64(z)
-    pulled = {k: (1.0 - pull) * xf[k] + pull * zf[k] for k in xf}
+    ruled = _ruled(xf, params)
+    pulled = {k: (1.0 - pull) * xf[k] + pull * zf[k] if k in ruled else xf[k] for k in xf}
     new_v = {k: (gmf * np.asarray(v[k], dtype=np.float64) if v is not None and k in v else 0.0)
-             + (zf[k] - pulled[k]) / lr for k in xf}
-    contrib = {k: zf[k] - lr * new_v[k] for k in xf}
+             + (zf[k] - pulled[k]) / lr for k in xf if k in ruled}
+    contrib = {k: zf[k] - lr * new_v[k] if k in ruled else xf[k] for k in xf}
     return (_cast_like(pulled, x), {k: np.asarray(val, dtype=np.float32) for k, val in new_v.items()},
             _cast_like(contrib, z))
 
@@ -205,7 +233,8 @@ def _local_steps(model: torch.nn.Module, env, optimizer: torch.optim.Optimizer, 
 
 def _worker_period(msg: Message, context: Context, name: str, nesterov: bool):
     """Load x_i (else z) and the momentum, run the local steps, keep the momentum; returns
-    ``(x_i after the local steps, z, metrics, the node's Env, whether x_i was the node's own)``."""
+    ``(x_i after the local steps, z, metrics, the node's Env, whether x_i was the node's own, the
+    names of the model's parameters)``."""
     env = client_env(msg, context, label_mode="all")
     if len(env.labeled()) == 0:
         raise ConfigError(f"{name}: this node has no labeled data (every worker trains on its own labels)")
@@ -228,7 +257,7 @@ def _worker_period(msg: Message, context: Context, name: str, nesterov: bool):
     if kept:
         context.state[MOMENTUM_KEY] = numpy_to_record({k: v.detach().cpu().numpy() for k, v in kept.items()})
     trained = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    return trained, z, metrics, env, x is not None
+    return trained, z, metrics, env, x is not None, {k for k, _ in model.named_parameters()}
 
 
 def easgd_train(msg: Message, context: Context) -> Message:
@@ -236,8 +265,8 @@ def easgd_train(msg: Message, context: Context) -> Message:
     pre-update x_i."""
     cfg = algo_config(msg, EASGDConfig)
     a = float(msg.content.config_records[CONFIG_KEY]["elastic-a"])
-    trained, z, metrics, _, _ = _worker_period(msg, context, "easgd", cfg.nesterov)
-    context.state[X_KEY] = numpy_to_record(easgd_worker(trained, z, a))
+    trained, z, metrics, _, _, params = _worker_period(msg, context, "easgd", cfg.nesterov)
+    context.state[X_KEY] = numpy_to_record(easgd_worker(trained, z, a, params))
     return reply(msg, numpy_to_record(trained), metrics)
 
 
@@ -245,12 +274,12 @@ def overlap_train(msg: Message, context: Context) -> Message:
     """One OverlapSGD period on a worker: tau local steps, the pull toward the (stale) anchor z
     this message carries, the anchor momentum; replies ``z_i' = z - lr v_i``."""
     cfg = algo_config(msg, OverlapSGDConfig)
-    trained, z, metrics, env, own = _worker_period(msg, context, "overlapsgd", cfg.nesterov)
+    trained, z, metrics, env, own, params = _worker_period(msg, context, "overlapsgd", cfg.nesterov)
     v = _state(context, ANCHOR_V_KEY) if own else None   # (a node starting from z has v_i = 0)
     lr = float(env.task.lr)
     if lr <= 0:
         raise ConfigError(f"overlapsgd: lr={lr} must be > 0 (the anchor momentum divides by lr)")
-    pulled, new_v, contrib = overlap_worker(trained, v, z, cfg.pull, cfg.gmf, lr)
+    pulled, new_v, contrib = overlap_worker(trained, v, z, cfg.pull, cfg.gmf, lr, params)
     context.state[X_KEY] = numpy_to_record(pulled)
     context.state[ANCHOR_V_KEY] = numpy_to_record(new_v)
     return reply(msg, numpy_to_record(contrib), metrics)
@@ -269,6 +298,10 @@ class _ElasticStrategy(BaseStrategy):
         """The rule that combines the round's replies with the centre ``z``, folded one reply at a
         time as it arrives (:class:`SumFold`)."""
         raise NotImplementedError
+
+    def param_names(self) -> set[str]:
+        """The entries the rule applies to: the model's parameters (not BatchNorm's buffers)."""
+        return {k for k, _ in self.model.named_parameters()}
 
     def run_round(self, server_round: int, grid: Grid) -> dict[str, Any]:
         conf = self.round_config(server_round, grid)
@@ -312,7 +345,7 @@ class EASGDStrategy(_ElasticStrategy):
         return {"elastic-a": float(self.moving_rate(workers)), "workers": workers}
 
     def fold(self, z, conf):
-        return easgd_fold(z, float(conf["elastic-a"]))
+        return easgd_fold(z, float(conf["elastic-a"]), self.param_names())
 
 
 class OverlapSGDStrategy(_ElasticStrategy):
