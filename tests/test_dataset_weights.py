@@ -180,3 +180,23 @@ def test_processed_option_without_the_metric_is_a_clear_error():
                                                   METRICS_KEY: MetricRecord({"num-examples": 5.0})})})()
     with pytest.raises(ConfigError, match="upload-weight=processed-examples.*processed-examples"):
         fold.add(reply)
+
+
+@pytest.mark.parametrize("upload_weight", ["dataset-size", "processed-examples"])
+def test_fixmatch_rows_weight_by_labeled_plus_unlabeled_or_processed(upload_weight):
+    """The FixMatch rows of UM-pFSSL's Table 1 (``fixavg``) keep n_k = |D_k^s| + |D_k^u| (the
+    node's labeled and unlabeled data, their documented weight) and report the samples processed
+    as ``processed-examples``, so ``upload-weight=processed-examples`` works for them too."""
+    s, grid, replies = _build("fixavg", upload_weight=upload_weight)
+    s.start(grid, num_rounds=1)
+    envs = {n: library_env(s.task, NODES, "dir2", True, int(c.node_config["partition-id"]))
+            for n, c in grid.contexts.items()}
+    sizes = [len(envs[n].labeled()) + len(envs[n].unlabeled()) for n, _ in replies]
+    mets = [r.content.metric_records[METRICS_KEY] for _, r in replies]
+    assert [float(m["num-examples"]) for m in mets] == sizes
+    processed = [float(m[PROCESSED_KEY]) for m in mets]
+    states = _uploads(replies)
+    by_size, by_processed = _mean(states, sizes), _mean(states, processed)
+    assert _far(by_size, by_processed)
+    got = {k: v.detach().cpu().numpy() for k, v in s.model.state_dict().items()}
+    _assert_model_is(got, by_size if upload_weight == "dataset-size" else by_processed)

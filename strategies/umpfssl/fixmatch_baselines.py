@@ -51,7 +51,8 @@ only the body (every key outside the ``head`` stage; the head stays in
 entry (BN in ``context.state["umpfssl.bn"]``); ``lg-fedavg-fix`` receives and replies the head
 (the body in ``context.state["umpfssl.body"]``); ``local-only`` receives no weights and keeps
 its model in ``context.state["umpfssl.model"]``. Every reply's ``metrics`` carry
-``num-examples`` (n_k), ``train-loss`` (and ``mask-rate`` for the FixMatch modes).
+``num-examples`` (n_k = |D_k^s| + |D_k^u|), ``processed-examples`` (the samples the local steps
+processed), ``train-loss`` (and ``mask-rate`` for the FixMatch modes).
 ``evaluate`` messages (Flower's ``evaluate``) carry what the client needs to rebuild
 its model (nothing for ``local-only``) and the reply carries ``accuracy`` and ``num-examples``
 on the client's test split.
@@ -66,6 +67,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid
 
+from strategies.core.folds import sized_metrics
 from strategies.core.records import (
     ARRAYS_KEY,
     METRICS_KEY,
@@ -199,7 +201,7 @@ class FixMatchTrainer:
         self.load(model, msg, context)
         local = self.local_keys(model, cfg)
         out = self.fit(model, env, cfg, server_round(msg), self.regularizer(model, cfg))
-        out["num-examples"] = float(len(env.labeled()) + len(env.unlabeled()))
+        out = sized_metrics(out, len(env.labeled()) + len(env.unlabeled()))   # n_k = |D_k^s| + |D_k^u|
         out["partition-id"] = env.partition_id
         return reply(msg, self.keep(model, local, context), out)
 
