@@ -200,3 +200,23 @@ def test_fixmatch_rows_weight_by_labeled_plus_unlabeled_or_processed(upload_weig
     assert _far(by_size, by_processed)
     got = {k: v.detach().cpu().numpy() for k, v in s.model.state_dict().items()}
     _assert_model_is(got, by_size if upload_weight == "dataset-size" else by_processed)
+
+
+@pytest.mark.parametrize("upload_weight", ["dataset-size", "processed-examples"])
+def test_datasharing_weights_by_its_merged_data_or_processed(upload_weight):
+    """DataSharing (SSFL's D1) keeps n_k = |D_k| + |G_k|, the node's data merged with its share of
+    the shared set (the reply's num-examples), and reports the samples processed as
+    ``processed-examples``: the server's model is the mean weighted by the one ``upload-weight``
+    names."""
+    s, grid, replies = _build("datasharing", upload_weight=upload_weight)
+    s.start(grid, num_rounds=1)
+    mets = [r.content.metric_records[METRICS_KEY] for _, r in replies]
+    merged = [float(m["num-examples"]) for m in mets]
+    assert len(set(merged)) == len(merged) and all(n > 16 for n in merged)
+    processed = [float(m[PROCESSED_KEY]) for m in mets]
+    assert processed == [2 * 8] * len(mets)
+    states = _uploads(replies)
+    by_size, by_processed = _mean(states, merged), _mean(states, processed)
+    assert _far(by_size, by_processed)
+    got = {k: v.detach().cpu().numpy() for k, v in s.model.state_dict().items()}
+    _assert_model_is(got, by_size if upload_weight == "dataset-size" else by_processed)

@@ -44,7 +44,8 @@ Client contract: a ``train`` message carries ``arrays`` (the global state dict),
 ``shared-data`` (G_k). The node trains ``local-steps`` (else ``local-epochs`` passes over
 D_k + G_k) of supervised SGD on D_k + G_k from the global weights (momentum restarts each
 round, Nesterov per ``datasharing.nesterov``, SSFL's optimizer) and replies ``arrays`` and
-``metrics`` with ``num-examples`` = |D_k| + |G_k|, ``train-loss``, ``shared-examples`` |G_k|.
+``metrics`` with ``num-examples`` = |D_k| + |G_k|, ``processed-examples`` (the samples the local
+steps processed), ``train-loss``, ``shared-examples`` |G_k|.
 D_k is the node's ``labeled`` set (a user's node); on the library's partition with label mode
 ``"server"`` the node's part of the pool (its labels are used: every client is labeled here).
 """
@@ -58,6 +59,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from strategies.core.folds import sized_metrics
 from strategies.core.records import (
     ARRAYS_KEY,
     METRICS_KEY,
@@ -149,7 +151,7 @@ def client_train(msg: Message, context: Context) -> Message:
         model, data, aug=env.augmenter, steps=num_local_steps(task, len(data)), batch_size=task.batch_size,
         optimizer=make_sgd(model.parameters(), task, nesterov=cfg.nesterov), device=env.device,
         seed=derive_seed(task.seed, "datasharing", rnd, env.partition_id))
-    metrics["num-examples"] = float(len(data))     # n_k = |D_k + G_k|
+    metrics = sized_metrics(metrics, len(data))     # n_k = |D_k + G_k|
     metrics["shared-examples"] = float(len(shared["y"]))
     return Message(RecordDict({ARRAYS_KEY: model_to_record(model), METRICS_KEY: MetricRecord(metrics)}),
                    reply_to=msg)
