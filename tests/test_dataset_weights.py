@@ -182,12 +182,14 @@ def test_processed_option_without_the_metric_is_a_clear_error():
         fold.add(reply)
 
 
+@pytest.mark.parametrize("algo", ["fixavg", "pfedme-fix"])
 @pytest.mark.parametrize("upload_weight", ["dataset-size", "processed-examples"])
-def test_fixmatch_rows_weight_by_labeled_plus_unlabeled_or_processed(upload_weight):
-    """The FixMatch rows of UM-pFSSL's Table 1 (``fixavg``) keep n_k = |D_k^s| + |D_k^u| (the
-    node's labeled and unlabeled data, their documented weight) and report the samples processed
-    as ``processed-examples``, so ``upload-weight=processed-examples`` works for them too."""
-    s, grid, replies = _build("fixavg", upload_weight=upload_weight)
+def test_fixmatch_rows_weight_by_labeled_plus_unlabeled_or_processed(upload_weight, algo):
+    """The FixMatch rows of UM-pFSSL's Table 1 (``fixavg``; ``pfedme-fix`` at its default beta = 1,
+    where w is the weighted mean of the w_k) keep n_k = |D_k^s| + |D_k^u| (the node's labeled and
+    unlabeled data, their documented weight) and report the samples processed as
+    ``processed-examples``, so ``upload-weight=processed-examples`` works for them too."""
+    s, grid, replies = _build(algo, upload_weight=upload_weight)
     s.start(grid, num_rounds=1)
     envs = {n: library_env(s.task, NODES, "dir2", True, int(c.node_config["partition-id"]))
             for n, c in grid.contexts.items()}

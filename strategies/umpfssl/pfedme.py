@@ -62,6 +62,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.serverapp import Grid
 
+from strategies.core.folds import sized_metrics
 from strategies.core.records import ARRAYS_KEY, algo_config, model_to_record, record_to_numpy
 from tasks.config import knob
 from tasks.env import Env
@@ -108,7 +109,7 @@ def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, c
     t, aug = env.task, env.augmenter
     lab, unl = env.labeled(), env.unlabeled()
     theta.train()
-    total, done, kept, seen_u = 0.0, 0, 0.0, 0
+    total, done, kept, seen_u, seen = 0.0, 0, 0.0, 0, 0
     with seeded(seed, env.device):   # augmentation and dropout draws
         for il, iu in paired_batches(len(lab), len(unl), t.batch_size, cfg.uratio * t.batch_size, steps, seed):
             xw = y = views = None
@@ -133,8 +134,10 @@ def pfedme_local(theta: torch.nn.Module, anchor: list[torch.Tensor], env: Env, c
             if masks:
                 kept += float(masks[-1].sum())
                 seen_u += len(masks[-1])
+            seen += (len(il) if il is not None else 0) + (len(iu) if iu is not None else 0)
             done += 1
-    return {"train-loss": total / max(done, 1), "mask-rate": kept / seen_u if seen_u else 0.0}
+    return {"train-loss": total / max(done, 1), "mask-rate": kept / seen_u if seen_u else 0.0,
+            "num-examples": float(seen)}   # processed (labeled + unlabeled samples of the steps)
 
 
 def _models(msg: Message, env: Env) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.Tensor]]:
@@ -169,7 +172,8 @@ class PFedMeTrainer(FixMatchTrainer):
         """pFedMe's local update (module docstring); replies w_k."""
         env, cfg = personal_env(msg, context), algo_config(msg, self.config_cls)
         model, out = local_update(msg, env, cfg)
-        out.update({"num-examples": float(len(env.labeled()) + len(env.unlabeled())), "partition-id": env.partition_id})
+        out = sized_metrics(out, len(env.labeled()) + len(env.unlabeled()))   # n_k = |D_k^s| + |D_k^u|
+        out["partition-id"] = env.partition_id
         return reply(msg, model_to_record(model), out)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
