@@ -208,6 +208,54 @@ def budgets_of(paper: Paper, folder: Path, dataset: str) -> dict[str, tuple[Path
     return out
 
 
+def _times_to(g: SeedGroup | None, target: float) -> dict[int, tuple[float, bool]]:
+    """Per seed: the time to ``target`` (simulated where the run was timed by a system), and
+    whether the run reached it; one that did not counts its last round's time (a lower bound)."""
+    out: dict[int, tuple[float, bool]] = {}
+    for r in (g.runs if g else []):
+        hit, clock = r.to_target(target), [t for t in r.clock() if not math.isnan(t)]
+        if hit is not None:
+            out[int(r.config.get("seed", 0))] = (hit["seconds"], True)
+        elif clock:
+            out[int(r.config.get("seed", 0))] = (clock[-1], False)
+    return out
+
+
+def time_claim_table(paper: Paper, by_label: dict[str, SeedGroup], target: float) -> str:
+    """The claims the paper makes in time to a target (``Claim.paper_time``), judged at ``target``:
+    per seed both rows ran, the ratio of B's time to A's (a run that never reached the target
+    counts its whole time, so a ratio over such a run is a bound: ">=" where only B missed it,
+    "<=" where only A did); the verdict on "A reaches it sooner" from the paired differences of
+    the log times, by the rule of the claims table (:func:`verdict`)."""
+    rows = []
+    for c in (c for c in paper.claims if c.paper_time):
+        a, b = _times_to(by_label.get(c.better), target), _times_to(by_label.get(c.worse), target)
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            rows.append([c.text, c.paper_time, "no committed runs of both rows", "", "", "not regenerable"])
+            continue
+        d = [math.log(b[s][0] / a[s][0]) for s in seeds if a[s][0] > 0 and b[s][0] > 0]
+        missed = [s for s in seeds if not (a[s][1] and b[s][1])]
+        if not missed:
+            bound = ""
+        elif all(a[s][1] for s in missed):    # only B missed it: B's time is at least this
+            bound = ">= "
+        elif all(b[s][1] for s in missed):    # only A missed it
+            bound = "<= "
+        else:
+            bound = "~ "
+        ratio = math.exp(sum(d) / len(d)) if d else math.nan
+        reached = f"{sum(a[s][1] for s in seeds)}/{len(seeds)} and {sum(b[s][1] for s in seeds)}/{len(seeds)}"
+        t = paired_t(d)
+        rows.append([c.text, c.paper_time, f"{bound}{ratio:.2f}x (seeds {','.join(map(str, seeds))})", reached,
+                     "n/a" if math.isnan(t) else f"{t:+.2f}", verdict(d)])
+    return (f"Time claims at accuracy {target:g}: B's time over A's, the geometric mean over the seeds both rows ran "
+            "(above 1: A is sooner); a run that never reached the target counts its whole time. Verdict on \"A "
+            "is sooner\" from the paired differences of the log times, by the rule of the claims table.\n\n"
+            + _table(["claim", "paper", "ours: B's time / A's", "seeds reaching it (A and B)", "paired t", "verdict"],
+                     rows))
+
+
 def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, SeedGroup], figure: str) -> str:
     """The section of budget ``name``: its settings, every committed row (final, best, last-5
     mean), the paired table against the paper's own method, the time and bytes to the target it
@@ -224,6 +272,8 @@ def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, Se
     if b.target is not None:
         ref = paper.reference if paper.reference in by_label else ""
         out.append("\nThe target was fixed before these runs. " + target_table(groups, b.target, reference=ref))
+        if any(c.paper_time for c in paper.claims):
+            out.append("\n" + time_claim_table(paper, by_label, b.target))
     stem = Path(figure).stem if figure else paper.name
     for metric in ("accuracy", *CURVES):
         if figure and any(r.series(metric) for g in groups for r in g.runs):

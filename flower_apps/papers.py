@@ -81,11 +81,14 @@ class Budget:
 class Claim:
     """A claim of the paper that two of our rows test: ``better`` ends above ``worse``
     (:func:`flower_apps.pages.verdict` judges it from the paired seeds); ``paper``: what the
-    paper reports for it, with its table and setting."""
+    paper reports for it, with its table and setting; ``paper_time``: what it reports for the
+    same two methods in time to a target accuracy, where it does (judged at a budget that fixes
+    a target: :func:`flower_apps.pages.time_claim_table`)."""
     text: str
     better: str
     worse: str
     paper: str
+    paper_time: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,8 @@ def load_paper(path: str | Path, data: dict[str, Any] | None = None) -> Paper:
     try:
         rows = tuple(Row(**{**r, "label": tuple(r["label"]) if isinstance(r.get("label"), list) else
                             r.get("label", "")}) for r in data.pop("rows", []))
-        paper = Paper(name=path.stem, rows=rows, claims=tuple(Claim(**c) for c in data.pop("claims", [])),
+        paper = Paper(name=path.stem, rows=rows, claims=tuple(Claim(**{k.replace("-", "_"): v for k, v in c.items()})
+                                                          for c in data.pop("claims", [])),
                       tables={t: tuple(ms) for t, ms in data.pop("tables", {}).items()},
                       datasets={n: Budget(**b) for n, b in data.pop("datasets", {}).items()},
                       budgets={n: Budget(**b) for n, b in data.pop("budgets", {}).items()}, **data)

@@ -110,3 +110,37 @@ def test_a_budget_must_be_on_one_of_the_papers_datasets(tmp_path):
     with pytest.raises(ValueError, match=r"\[budgets.long\] dataset='cifar10' is not one of its \[datasets.\*\]: "
                                          "fashion-mnist"):
         load_paper(f)
+
+
+def _timed_run(folder: Path, algo: str, seed: int, accs: list[float], seconds_per_round: float) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed, "run-name": folder.name,
+                                                    "system": "t"}))
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"round": i + 1, "accuracy": a, "sim-seconds-total": seconds_per_round * (i + 1)}) + "\n"
+        for i, a in enumerate(accs)))
+
+
+def test_a_time_claim_is_judged_on_the_paired_log_times_to_the_budgets_target(tmp_path):
+    from flower_apps.pages import time_claim_table
+    from flower_apps.report import seed_groups
+
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}), Row("b", {"algo": "b"}), Row("c", {"algo": "c"})),
+                  claims=(Claim("A > B", "a", "b", "+1", paper_time="3.0x sooner"),
+                          Claim("A > C", "a", "c", "+1", paper_time="2x sooner"), Claim("no time", "a", "b", "+1")))
+    for s in range(3):
+        # a reaches 0.8 in round 2 at 10 s/round (20 s); b in round 4 at 10 + s s/round; c never in 3 rounds of 50 s
+        _timed_run(tmp_path / f"a-s{s}", "a", s, [0.5, 0.8, 0.8], 10.0)
+        _timed_run(tmp_path / f"b-s{s}", "b", s, [0.5, 0.6, 0.7, 0.85], 10.0 + s)
+        _timed_run(tmp_path / f"c-s{s}", "c", s, [0.5, 0.6, 0.7], 50.0)
+    by_label = {g.label: g for g in seed_groups([read_run(d) for d in sorted(tmp_path.iterdir())])}
+    text = time_claim_table(paper, by_label, 0.8)
+    lines = text.splitlines()
+    # B/A per seed: 40/20, 44/20, 48/20 -> geometric mean of 2.0, 2.2, 2.4
+    gm = math.exp(sum(math.log(r) for r in (2.0, 2.2, 2.4)) / 3)
+    d = [math.log(r) for r in (2.0, 2.2, 2.4)]
+    assert f"| A > B | 3.0x sooner | {gm:.2f}x (seeds 0,1,2) | 3/3 and 3/3 | {paired_t(d):+.2f} | reproduced |" in lines
+    # C never reaches it: its whole 150 s counts, the ratio 7.5x is a lower bound
+    assert "| A > C | 2x sooner | >= 7.50x (seeds 0,1,2) | 3/3 and 0/3 | +inf | reproduced |" in lines
+    assert not any(ln.startswith("| no time |") for ln in lines)   # a claim without a time claim is not listed
