@@ -123,7 +123,7 @@ def _timed_run(folder: Path, algo: str, seed: int, accs: list[float], seconds_pe
 
 def test_a_time_claim_is_judged_on_the_paired_log_times_to_the_budgets_target(tmp_path):
     from flower_apps.pages import time_claim_table
-    from flower_apps.report import seed_groups
+    from flower_apps.report import read_run, seed_groups
 
     paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
                   rows=(Row("a", {"algo": "a"}), Row("b", {"algo": "b"}), Row("c", {"algo": "c"})),
