@@ -118,8 +118,9 @@ def budget_folder(folder: Path, budget: str) -> Path:
 
 
 #: the per-round metrics a budget's section plots beside accuracy, where its runs logged them
-#: (Semi-SFL's teacher: mask rate, pseudo-label accuracy with node consent, the labeled steps K_s)
-CURVES = ("mask-rate", "pseudo-label-accuracy", "ks")
+#: (Semi-SFL's teacher: mask rate, pseudo-label accuracy with node consent, the labeled steps K_s;
+#: UM-pFSSL's pseudo-labels by source: the client's own model and its helpers)
+CURVES = ("mask-rate", "pseudo-label-accuracy", "ks", "pseudo-label-accuracy-self", "pseudo-label-accuracy-helpers")
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:

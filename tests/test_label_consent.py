@@ -90,3 +90,17 @@ def test_umpfssl_sends_corr_self_only_with_consent(monkeypatch):
     assert "corr-self" not in keys and "corr-self" not in rows[0]
     rows, keys = one_round("umpfssl", node_config={LABEL_CONSENT_KEY: True})
     assert "corr-self" in keys and "corr-self" in rows[0]
+
+
+def test_umpfssl_reports_each_pseudo_label_sources_accuracy_only_with_consent(monkeypatch):
+    """The client's own model's and its helpers' pseudo-label accuracy (before the per-sample
+    choice) are label metrics: absent without consent; with it, in the round's metrics as the
+    mean over the nodes, each a fraction."""
+    monkeypatch.delenv(LABEL_CONSENT_ENV, raising=False)
+    per_source = {"pseudo-label-accuracy-self", "pseudo-label-accuracy-helpers"}
+    assert per_source <= set(get_algorithm("umpfssl").label_metrics)
+    rows, keys = one_round("umpfssl")
+    assert not keys & per_source and not set(rows[0]) & per_source
+    rows, keys = one_round("umpfssl", node_config={LABEL_CONSENT_KEY: True})
+    assert per_source <= keys and per_source <= set(rows[0])
+    assert all(0.0 <= rows[0][k] <= 1.0 for k in per_source)

@@ -261,7 +261,13 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
         targets, choice = select_pseudo_labels([p_self] + [s[1] for s in scored[1:]],
                                                [h_self] + [s[2] for s in scored[1:]])
         if unl.labels_known:  # a user's unlabeled images have no hidden labels to compare with
-            metrics["pseudo-label-accuracy"] = float((targets.argmax(1) == scorer.yu).float().mean())
+            right = lambda p: float((p.argmax(1) == scorer.yu).float().mean())   # noqa: E731
+            metrics["pseudo-label-accuracy"] = right(targets)
+            # which source is right how often: the aggregated own model's MC prediction, and the
+            # helpers' (the mean over them), before the per-sample choice
+            metrics["pseudo-label-accuracy-self"] = right(p_self)
+            if len(scored) > 1:
+                metrics["pseudo-label-accuracy-helpers"] = float(np.mean([right(s[1]) for s in scored[1:]]))
         metrics["pseudo-label-from-self"] = float((choice == 0).float().mean())
     out = train_distill(own, env.labeled(), unl, targets, scorer.mu, env=env, seed=seed)
     _write_helpers(context, ids, versions, corr[1:])
@@ -463,8 +469,8 @@ class UMPFSSLStrategy(PersonalizedEvalStrategy):
         slots = sum(len(lists[n]) for n in nodes if n in selected) or 1
         out.update({"helper-swaps": swaps, "helper-churn": swaps / slots, "pool-archive-size": len(self.archive)})
         out["label-metrics-nodes"] = sum("pseudo-label-accuracy" in m for m in mets)  # (records.label_consent)
-        for key in ("train-loss", "pseudo-label-accuracy", "pseudo-label-from-self", "mu", "self-weight",
-                    "corr-self"):
+        for key in ("train-loss", "pseudo-label-accuracy", "pseudo-label-accuracy-self",
+                    "pseudo-label-accuracy-helpers", "pseudo-label-from-self", "mu", "self-weight", "corr-self"):
             vals = [float(m[key]) for m in mets if key in m]
             if vals:
                 out[key] = float(np.nanmean(vals)) if not all(map(math.isnan, vals)) else float("nan")
@@ -493,7 +499,8 @@ def _spec(name: str, cls: type, mode: str, desc: str, client: dict, node_state: 
                          client=dict(client), description=desc, node_state=node_state,
                          # from the node's labels: its hidden labels (pseudo-label accuracy), its labeled
                          # set's (corr-self, the Corr score of its own model, Eq. of the paper's helper score)
-                         label_metrics=("pseudo-label-accuracy", "corr-self"))
+                         label_metrics=("pseudo-label-accuracy", "pseudo-label-accuracy-self",
+                                        "pseudo-label-accuracy-helpers", "corr-self"))
 
 
 ALGORITHMS = register({
