@@ -12,8 +12,8 @@ the paper reports, its claims):
   (:func:`verdict`) beside what the paper reports;
 * **The paper's tables**: every method of the paper's tables with the paper's number and ours
   (mean ± sample std over the committed seeds), or "not regenerable" where no run folder of its
-  row is committed, with the command that reruns it; a row whose note calls it a reconstruction
-  is tagged "(reconstruction)";
+  row is committed, with the command that reruns it; a row marked ``reconstruction`` in the
+  paper's table is tagged "(reconstruction)";
 * **Every committed row**: :func:`flower_apps.report.seed_table` (final, best and last-5 mean),
   the paired table against the paper's own method, the onset table where runs logged
   pseudo-label histograms, and a figure of the mean curves (``<paper>.png``).
@@ -24,7 +24,6 @@ fails when the committed one differs.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,12 +128,11 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _row_cell(paper: Paper, name: str) -> str:
-    """A row as the paper's tables show it: its name, tagged "(reconstruction)" where its note
-    says it is one (a method rebuilt from partial sources: ``docs/baselines.md``), so that its
-    number is not read as the original's."""
+    """A row as the paper's tables show it: its name, tagged "(reconstruction)" where the paper's
+    table marks it one (``Row.reconstruction``: a method rebuilt from partial sources,
+    ``docs/baselines.md``), so that its number is not read as the original's."""
     row = paper.rows_by_name.get(name)
-    tagged = row is not None and re.search(r"\breconstruction\b", row.note) is not None
-    return f"`{name}`" + (" (reconstruction)" if tagged else "")
+    return f"`{name}`" + (" (reconstruction)" if row is not None and row.reconstruction else "")
 
 
 def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", figure: str = "") -> tuple[str, list]:

@@ -54,6 +54,8 @@ class Row:
     overrides: dict[str, Any]
     note: str = ""
     probe: bool = False    # not a row of the paper's table: a probe that isolates a cause (ours)
+    #: a method rebuilt from partial sources (docs/baselines.md): its results are tagged so
+    reconstruction: bool = False
     #: the method(s) of the paper's tables this row reruns ("" = the row's name)
     label: str | tuple[str, ...] = ""
 

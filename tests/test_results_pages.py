@@ -144,3 +144,17 @@ def test_a_time_claim_is_judged_on_the_paired_log_times_to_the_budgets_target(tm
     # C never reaches it: its whole 150 s counts, the ratio 7.5x is a lower bound
     assert "| A > C | 2x sooner | >= 7.50x (seeds 0,1,2) | 3/3 and 0/3 | +inf | reproduced |" in lines
     assert not any(ln.startswith("| no time |") for ln in lines)   # a claim without a time claim is not listed
+
+
+def test_a_row_marked_reconstruction_is_tagged_in_the_papers_tables(tmp_path):
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}, label="A", reconstruction=True),
+                        Row("b", {"algo": "b"}, label="B", note="not a reconstruction of anything")),
+                  tables={"Table 1": ("A", "B")})
+    _run(tmp_path / "a-s0", "a", 0, [0.5, 0.8])
+    _run(tmp_path / "b-s0", "b", 0, [0.5, 0.7])
+    text, _ = results_page(paper, tmp_path)
+    assert "| Table 1 | A |  | `a` (reconstruction) | 0.800 ± 0.000 | 0 |" in text
+    assert "| Table 1 | B |  | `b` | 0.700 ± 0.000 | 0 |" in text   # a note's wording tags nothing
+    assert {p: [r.name for r in PAPERS[p].rows if r.reconstruction] for p in ("semisfl", "scala")} == \
+        {"semisfl": ["fedswitch"], "scala": ["sfl-local-loss", "cs-sfl"]}
