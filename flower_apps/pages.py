@@ -9,7 +9,8 @@ the paper reports, its claims):
 
 * **Claims**: for every claim "row A beats row B", the paired difference of the final accuracy
   over the seeds both rows ran, the seeds A is ahead on, the paired t statistic and a verdict
-  (:func:`verdict`) beside what the paper reports;
+  (:func:`verdict`) beside what the paper reports; one more set of columns per budget of the
+  paper's (``[budgets.<name>]``) with committed runs in ``runs/<paper>-<dataset>-<name>/``;
 * **The paper's tables**: every method of the paper's tables with the paper's number and ours
   (mean ± sample std over the committed seeds), or "not regenerable" where no run folder of its
   row is committed, with the command that reruns it; a row marked ``reconstruction`` in the
@@ -17,6 +18,10 @@ the paper reports, its claims):
 * **Every committed row**: :func:`flower_apps.report.seed_table` (final, best and last-5 mean),
   the paired table against the paper's own method, the onset table where runs logged
   pseudo-label histograms, and a figure of the mean curves (``<paper>.png``).
+* **At the budget `<name>`**, one section per such budget (:func:`budget_section`): its rows,
+  the paired table, the time and bytes to the target it fixed before its runs, the paper's time
+  claims judged there (:func:`time_claim_table`), and figures per metric
+  (``<paper>-<name>-<metric>.png``: accuracy and :data:`CURVES`).
 
 Nothing on a page is typed by hand: ``tests/test_results_pages.py`` regenerates every page and
 fails when the committed one differs.
