@@ -447,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(paper.rows_by_name)}", file=sys.stderr)
         return 2
     if args.budget and args.budget not in paper.budgets:
-        print(f"error: --budget {args.budget!r}: {args.paper} has {', '.join(paper.budgets) or 'no other budget'}",
-              file=sys.stderr)
+        print(f"error: --budget {args.budget!r} is not one of {args.paper}'s budgets: "
+              f"{', '.join(paper.budgets) or 'none'}", file=sys.stderr)
         return 2
     if args.budget and args.dataset and args.dataset != paper.budgets[args.budget].dataset:
         print(f"error: --budget {args.budget!r} is on --dataset {paper.budgets[args.budget].dataset!r}, "

@@ -100,6 +100,10 @@ def test_cli_errors(capsys):
     assert "not in scala's rows" in capsys.readouterr().err
     assert main(["scala", "--dataset", "cifar10"]) == 2
     assert "--dataset 'cifar10': scala has a budget for fashion-mnist" in capsys.readouterr().err
+    assert main(["semisfl", "--budget", "nope"]) == 2
+    assert "--budget 'nope' is not one of semisfl's budgets: long" in capsys.readouterr().err
+    assert main(["semisfl", "--budget", "long", "--dataset", "cifar10"]) == 2
+    assert "--budget 'long' is on --dataset 'fashion-mnist', not 'cifar10'" in capsys.readouterr().err
     assert main(["scala", "--rows", "scala", "--paired", "fedavg"]) == 2
     assert "--paired 'fedavg' is not one of the --rows" in capsys.readouterr().err
     assert main(["--list"]) == 0
