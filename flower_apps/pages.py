@@ -17,11 +17,12 @@ the paper reports, its claims):
   paper's table is tagged "(reconstruction)";
 * **Every committed row**: :func:`flower_apps.report.seed_table` (final, best and last-5 mean),
   the paired table against the paper's own method, the onset table where runs logged
-  pseudo-label histograms, and a figure of the mean curves (``<paper>.png``).
+  pseudo-label histograms, a figure of the mean accuracy (``<paper>.png``) and one per metric of
+  :data:`CURVES` some run reports (``<paper>-<metric>.png``).
 * **At the budget `<name>`**, one section per such budget (:func:`budget_section`): its rows,
   the paired table, the time and bytes to the target it fixed before its runs, the paper's time
   claims judged there (:func:`time_claim_table`), and figures per metric
-  (``<paper>-<name>-<metric>.png``: accuracy and :data:`CURVES`).
+  (``<paper>-<name>-<metric>.png``: accuracy and the :data:`CURVES` its runs report).
 
 Nothing on a page is typed by hand: ``tests/test_results_pages.py`` regenerates every page and
 fails when the committed one differs.
@@ -191,6 +192,8 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
             out.append("\n" + onset_table(runs))
         if figure:
             out.append(f"\n![mean accuracy per round, ±1 std over seeds]({figure})\n")
+            for metric in curves_of(groups):
+                out.append(f"\n![{metric} per round, mean ± std over seeds]({Path(figure).stem}-{metric}.png)\n")
     for name, (bfolder, bgroups) in budgets.items():
         out.append(budget_section(paper, name, bfolder, bgroups, figure))
     notes = [f"* `{r.name}`: {r.note}" for r in paper.rows if r.note]
@@ -279,10 +282,15 @@ def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, Se
         if any(c.paper_time for c in paper.claims):
             out.append("\n" + time_claim_table(paper, by_label, b.target))
     stem = Path(figure).stem if figure else paper.name
-    for metric in ("accuracy", *CURVES):
+    for metric in ("accuracy", *curves_of(groups)):
         if figure and any(r.series(metric) for g in groups for r in g.runs):
             out.append(f"\n![{metric} per round, mean ± std over seeds]({stem}-{name}-{metric}.png)\n")
     return "\n".join(out)
+
+
+def curves_of(groups: list[SeedGroup]) -> list[str]:
+    """The metrics of :data:`CURVES` some run of ``groups`` reports per round."""
+    return [m for m in CURVES if any(r.series(m) for g in groups for r in g.runs)]
 
 
 def write_page(paper: Paper, dataset: str = "fashion-mnist", root: Path = DOCS) -> Path:
@@ -294,11 +302,13 @@ def write_page(paper: Paper, dataset: str = "fashion-mnist", root: Path = DOCS) 
     md.write_text(text)
     if groups:
         plot_seed_groups(groups, png, title=f"{paper.name} on {dataset}: mean ± std over seeds")
+        for metric in curves_of(groups):
+            plot_seed_groups(groups, root / f"{paper.name}-{metric}.png", metric=metric,
+                             title=f"{paper.name} on {dataset}: {metric}, mean ± std over seeds")
     elif png.exists():
         png.unlink()
     for name, (_, by_label) in budgets_of(paper, folder, dataset).items():
-        for metric in ("accuracy", *CURVES):
-            if any(r.series(metric) for g in by_label.values() for r in g.runs):
-                plot_seed_groups(list(by_label.values()), root / f"{paper.name}-{name}-{metric}.png", metric=metric,
-                                 title=f"{paper.name} on {dataset}, budget {name}: {metric}, mean ± std over seeds")
+        for metric in ("accuracy", *curves_of(list(by_label.values()))):
+            plot_seed_groups(list(by_label.values()), root / f"{paper.name}-{name}-{metric}.png", metric=metric,
+                             title=f"{paper.name} on {dataset}, budget {name}: {metric}, mean ± std over seeds")
     return md

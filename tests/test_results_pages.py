@@ -158,3 +158,21 @@ def test_a_row_marked_reconstruction_is_tagged_in_the_papers_tables(tmp_path):
     assert "| Table 1 | B |  | `b` | 0.700 ± 0.000 | 0 |" in text   # a note's wording tags nothing
     assert {p: [r.name for r in PAPERS[p].rows if r.reconstruction] for p in ("semisfl", "scala")} == \
         {"semisfl": ["fedswitch"], "scala": ["sfl-local-loss", "cs-sfl"]}
+
+
+def test_a_page_draws_each_curve_its_runs_report_and_links_it(tmp_path):
+    from flower_apps.pages import write_page
+
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}, label="A"), Row("b", {"algo": "b"}, label="B")),
+                  tables={"Table 1": ("A", "B")}, reference="a")
+    folder = runs_dir("toy", root=tmp_path)
+    for s in range(2):
+        _run(folder / f"a-s{s}", "a", s, [0.5, 0.6])
+        _run(folder / f"b-s{s}", "b", s, [0.4, 0.5])
+    with open(folder / "a-s0" / "metrics.jsonl", "a") as f:   # one run of one row logs a mask rate
+        f.write(json.dumps({"round": 3, "accuracy": 0.7, "mask-rate": 0.4}) + "\n")
+    text = write_page(paper, root=tmp_path).read_text()
+    assert "(toy.png)" in text and "(toy-mask-rate.png)" in text
+    assert (tmp_path / "toy.png").stat().st_size > 0 and (tmp_path / "toy-mask-rate.png").stat().st_size > 0
+    assert "pseudo-label-accuracy" not in text and not (tmp_path / "toy-pseudo-label-accuracy.png").exists()
