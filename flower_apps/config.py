@@ -49,6 +49,7 @@ class AppConfig:
                                       "points of the group flower_ssl.algorithms instead)")
     num_rounds: int = knob(4, lo=1, help="communication rounds")
     eval_every: int = knob_of(RoundPolicy, "eval_every")
+    stop_accuracy: float = knob_of(RoundPolicy, "stop_accuracy")
     fraction_train: float = knob_of(RoundPolicy, "fraction_train")
     min_nodes: int = knob_of(RoundPolicy, "min_nodes")
     round_timeout: float = knob_of(RoundPolicy, "round_timeout")

@@ -104,6 +104,10 @@ def claim_cells(claim: Claim, by_label: dict[str, SeedGroup]) -> list[str]:
     if missing:
         return [f"not regenerable: no committed runs of {', '.join(f'`{r}`' for r in missing)}", "", "",
                 "not regenerable"]
+    stopped = [r for r in (claim.better, claim.worse) if by_label[r].stopped]
+    if stopped:
+        return [f"time-to-target runs of {', '.join(f'`{r}`' for r in stopped)} (stopped at stop-accuracy): "
+                "no final accuracy", "", "", "not judged"]
     t = paired_t(diffs)
     m, sd = _mean_std(diffs)
     return [f"{m:+.3f} ± {sd:.3f} (seeds {','.join(map(str, seeds))})",

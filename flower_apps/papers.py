@@ -295,6 +295,17 @@ def _done_rounds(folder: Path) -> int:
         return 0
 
 
+def _finished(folder: Path, num_rounds: int) -> bool:
+    """The run in ``folder`` ran its ``num_rounds``, or stopped on reaching ``stop-accuracy``."""
+    if _done_rounds(folder) >= num_rounds:
+        return True
+    try:
+        lines = [ln for ln in (folder / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        return bool(lines) and bool(json.loads(lines[-1]).get("stopped-at-target")) and (folder / "model.pt").exists()
+    except (OSError, ValueError):
+        return False
+
+
 def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path:
     if engine == "simulation":
         from flower_apps.simulate import run_simulation_inprocess
@@ -343,7 +354,7 @@ def run_paper(name: str | Paper, seeds=DEFAULT_SEEDS, out: Path | None = None, e
             cfg, explicit = row_config(paper, row, seed, out, rounds, sets, defaults, row_sets.get(row.name))
             folder = out / cfg["run-name"]
             done = _done_rounds(folder)
-            if done >= cfg["num-rounds"]:
+            if _finished(folder, cfg["num-rounds"]):
                 log(f"[{name}] {folder.name}: done ({done} rounds), kept")
                 continue
             if folder.exists():

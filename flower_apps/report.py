@@ -72,6 +72,12 @@ class Run:
         return out
 
     @property
+    def stopped_at_target(self) -> bool:
+        """The run stopped on reaching ``stop-accuracy`` (a time-to-target run: its last value
+        is where it crossed the target, not a final accuracy)."""
+        return any(r.get("stopped-at-target") for r in self.rows)
+
+    @property
     def has_sim(self) -> bool:
         """The run was timed by a simulated system (``system``: ``sim-seconds-total`` per round)."""
         return any("sim-seconds-total" in r for r in self.rows)
@@ -226,6 +232,11 @@ class SeedGroup:
     def config(self) -> dict[str, Any]:
         return self.runs[0].config
 
+    @property
+    def stopped(self) -> bool:
+        """Some run of the group stopped at its target (:attr:`Run.stopped_at_target`)."""
+        return any(r.stopped_at_target for r in self.runs)
+
     def stats(self, metric: str = "accuracy", last: int = 5) -> dict[str, Any]:
         """Mean and sample std (ddof 1; 0 for one seed) over the seeds of: the final value,
         the best value, and the mean of the last ``last`` rounds."""
@@ -319,7 +330,7 @@ def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5)
         wall = "n/a" if math.isnan(st["wall"][0]) else f"{st['wall'][0]:.0f} s"
         cells = [g.label, str(g.config.get("algo", "?")), *(_fmt(g.config.get(k, "")) for k in vary),
                  ",".join(str(s) for s in st["seeds"]), _pm(st["final"]), _pm(st["best"]), _pm(st["last"]),
-                 str(st["rounds"]), wall,
+                 str(st["rounds"]) + (" (stopped at stop-accuracy)" if g.stopped else ""), wall,
                  *([_pm(st["attack"][k], d) for k, _, d in ATTACK_COLUMNS] if attack else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -366,7 +377,8 @@ def paired_table(groups: list[SeedGroup], reference: str, metric: str = "accurac
     """Each row against the row labelled ``reference``, seed by seed: over the seeds both ran, the
     mean ± sample std of (row - reference) for the final value and the last-``last`` mean, how many
     seeds the row is ahead on (final), and the paired t statistic of the final difference (mean /
-    (std / sqrt n); |t| above 2.78 / 2.13 is the two-sided 5% level at 5 / 3 seeds)."""
+    (std / sqrt n); |t| above 2.78 / 2.13 is the two-sided 5% level at 5 / 3 seeds). Rows whose runs
+    stopped at ``stop-accuracy`` are left out."""
     labels = [g.label for g in groups]
     if reference not in labels:
         raise ValueError(f"reference={reference!r} is not one of the rows: {', '.join(labels)}")
@@ -385,7 +397,7 @@ def paired_table(groups: list[SeedGroup], reference: str, metric: str = "accurac
     lines = [f"Paired differences against `{reference}`, seed by seed ({metric}):\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
-        if g.label == reference:
+        if g.label == reference or g.stopped:   # a time-to-target row has no final value to pair
             continue
         mine = per_seed(g)
         seeds = [sd for sd in mine if sd in ref]

@@ -102,6 +102,7 @@ class RoundLoopStrategy(Strategy):
         self.evaluate_config: dict[str, Any] = {}  # Flower's start(evaluate_config=...): in evaluation messages
         self.initial_given = False                 # start(initial_arrays=...) was used
         self.num_rounds = 0                        # start()'s num_rounds: the horizon of schedules
+        self.stopped_at = 0                        # the round that reached stop-accuracy (0: none yet)
         self.state_key = uuid.uuid4().hex          # names this run's node-side state (kept on resume)
         self.session = uuid.uuid4().hex            # one per start(): nodes restore saved state on a new one
         self.timer = WallClock()                   # what waits read and sleep on (tests drive their own)
@@ -237,7 +238,7 @@ class RoundLoopStrategy(Strategy):
         so no RNG state is kept)."""
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                 "state-key": self.state_key, "initial-given": self.initial_given,
-                "sim-seconds-total": self.clock.total, "extra": self.extra_state()}
+                "sim-seconds-total": self.clock.total, "stopped-at": self.stopped_at, "extra": self.extra_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (a checkpoint of an older version may hold an ``"rng"``
@@ -246,6 +247,7 @@ class RoundLoopStrategy(Strategy):
         self.state_key = str(state.get("state-key", self.state_key))
         self.initial_given = bool(state.get("initial-given", False))
         self.clock.total = float(state.get("sim-seconds-total", 0.0))
+        self.stopped_at = int(state.get("stopped-at", 0))
         self.load_extra_state(state.get("extra", {}))
 
     def extra_state(self) -> dict[str, Any]:
@@ -300,7 +302,9 @@ class RoundLoopStrategy(Strategy):
         if start_round == 1:
             result.evaluate_metrics_serverapp[0] = MetricRecord(metric_safe(server_eval(0)))
         t_start = time.time()
-        for rnd in range(start_round, num_rounds + 1):
+        if self.stopped_at:   # a resumed run that had reached stop-accuracy is over
+            log(INFO, "the run stopped at round %d on reaching stop-accuracy: no more rounds", self.stopped_at)
+        for rnd in range(num_rounds + 1 if self.stopped_at else start_round, num_rounds + 1):
             t0 = time.time()
             self.dropped = []
             self.window.begin_round()
@@ -321,6 +325,10 @@ class RoundLoopStrategy(Strategy):
                 metrics.update(diverged=1, skipped=1)
                 ev = {**server_eval(rnd), **federated}   # the model from before the round
             metrics.update(ev)
+            stop = reached_target(ev, self.policy.stop_accuracy)
+            if stop:   # before on_round_end: the round's checkpoint and metrics line say so
+                self.stopped_at = rnd
+                metrics["stopped-at-target"] = 1
             metrics["round-seconds"] = time.time() - t0
             result.train_metrics_clientapp[rnd] = MetricRecord(metric_safe(metrics))
             result.evaluate_metrics_serverapp[rnd] = MetricRecord(metric_safe(ev))
@@ -329,8 +337,17 @@ class RoundLoopStrategy(Strategy):
             if on_round_end is not None:
                 on_round_end(rnd, metrics)
             log(INFO, "%s", progress_line(rnd, num_rounds, metrics, time.time() - t_start, rnd - start_round + 1))
+            if stop:
+                log(INFO, "round %d reached stop-accuracy=%s: the run stops here", rnd, self.policy.stop_accuracy)
+                break
         result.arrays = self.result_arrays()
         return result
+
+
+def reached_target(ev: dict[str, Any], stop_accuracy: float) -> bool:
+    """Whether a round's evaluation ``ev`` ends a run with ``stop-accuracy`` set (0: never)."""
+    acc = ev.get("accuracy")
+    return bool(stop_accuracy) and isinstance(acc, (int, float)) and acc >= stop_accuracy
 
 
 def progress_line(rnd: int, total: int, metrics: dict, elapsed: float, done_rounds: int) -> str:

@@ -56,6 +56,11 @@ class RoundPolicy:
                                          "round: the server's test of the global model and, for personalised "
                                          "algorithms, every client's test of its own model (long runs: evaluation "
                                          "is a share of a round's time)")
+    stop_accuracy: float = knob(0.0, lo=0.0, hi=1.0,
+                                help="stop the run after the first evaluated round whose server accuracy reaches "
+                                     "this (a time-to-target run: every round before it is what the full run does, "
+                                     "the schedules keep num-rounds as their horizon; the round's metrics say "
+                                     "stopped-at-target, and a resume does not go past it); 0: run every round")
 
     def validate(self) -> None:
         """A ``ConfigError`` naming the key where a value is not usable (``system``: a preset,
