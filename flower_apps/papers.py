@@ -287,23 +287,26 @@ def row_config(paper: Paper, row: Row, seed: int, out: Path, rounds: int | None 
     return cfg, set(over)
 
 
-def _done_rounds(folder: Path) -> int:
+def _last_metrics(folder: Path) -> dict[str, Any]:
+    """The last line of ``folder``'s metrics.jsonl ({} where there is none)."""
     try:
         lines = [ln for ln in (folder / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        return int(json.loads(lines[-1])["round"]) if lines else 0
-    except (OSError, ValueError, KeyError, IndexError):
+        return dict(json.loads(lines[-1])) if lines else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _done_rounds(folder: Path) -> int:
+    try:
+        return int(_last_metrics(folder).get("round", 0))
+    except (TypeError, ValueError):
         return 0
 
 
 def _finished(folder: Path, num_rounds: int) -> bool:
     """The run in ``folder`` ran its ``num_rounds``, or stopped on reaching ``stop-accuracy``."""
-    if _done_rounds(folder) >= num_rounds:
-        return True
-    try:
-        lines = [ln for ln in (folder / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        return bool(lines) and bool(json.loads(lines[-1]).get("stopped-at-target")) and (folder / "model.pt").exists()
-    except (OSError, ValueError):
-        return False
+    return _done_rounds(folder) >= num_rounds or (
+        bool(_last_metrics(folder).get("stopped-at-target")) and (folder / "model.pt").exists())
 
 
 def run_one(cfg: dict, explicit: set[str], supernodes: int, engine: str) -> Path:
