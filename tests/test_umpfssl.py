@@ -241,3 +241,43 @@ def test_baselines_run_and_evaluate_per_client(algo):
         assert r["bytes.weights.up"] == 3 * array_bytes(model_to_record(strat.model, body))  # head stays
     else:
         assert r["bytes.weights.down"] == r["bytes.weights.up"] > 0
+
+
+@pytest.mark.parametrize("self_labels", ["aggregated", "own"])
+def test_self_labels_picks_the_self_model_whose_predictions_compete_for_the_pseudo_labels(monkeypatch, self_labels):
+    """``umpfssl.self-labels``: the self source of the per-sample min-entropy choice is the MC
+    prediction of the freshly aggregated w_k (default), or of the client's model as uploaded,
+    scored before the aggregation like every helper."""
+    import strategies.umpfssl.umpfssl as um
+    from tasks.umpfssl.helper_selection import HelperScorer
+
+    scores, predictions, chosen = [], [], []
+    score, predict, select = HelperScorer.score, HelperScorer.predict, um.select_pseudo_labels
+
+    def record_score(self, model, tag):
+        out = score(self, model, tag)
+        scores.append((tag, out[1]))
+        return out
+
+    def record_predict(self, model, x, tag):
+        out = predict(self, model, x, tag)
+        predictions.append((tag, out[0]))
+        return out
+
+    def record_select(probs, entropies):
+        chosen.append(probs[0])
+        return select(probs, entropies)
+
+    monkeypatch.setattr(HelperScorer, "score", record_score)
+    monkeypatch.setattr(HelperScorer, "predict", record_predict)
+    monkeypatch.setattr(um, "select_pseudo_labels", record_select)
+    run_fake("umpfssl", small_task(), 3, 1, helpers=3, replace=1, search_rounds=1, mc_samples=2,
+             warmup_epochs=1, eval_every=2, self_labels=self_labels)
+    own = [p for tag, p in scores if tag == "self"]
+    aggregated = [p for tag, p in predictions if tag == ("u", "aggregated")]
+    assert len(chosen) == len(own) == 3   # one training message per client
+    if self_labels == "own":
+        assert aggregated == [] and all(torch.equal(c, o) for c, o in zip(chosen, own))
+    else:
+        assert len(aggregated) == 3 and all(torch.equal(c, a) for c, a in zip(chosen, aggregated))
+        assert not any(torch.equal(c, o) for c, o in zip(chosen, own))   # aggregation moved the model

@@ -34,7 +34,9 @@ Math (MC-dropout, Eqs. 9-14)
   (``tasks.aggregate.personalized_weighted``; self with its current weights).
 * Pseudo-labels: ``yhat(x) = P_{j*}(y|x)``, ``j* = argmin_{j in H_k} H_j(x)`` (soft), with
   self = the freshly aggregated w_k (the paper does not say which "self" labels; this one is the
-  model the client trains next; ``tasks.mc_dropout.select_pseudo_labels``).
+  model the client trains next; ``tasks.mc_dropout.select_pseudo_labels``), or with
+  ``umpfssl.self-labels=own`` the client's model as it uploaded it, before this round's
+  aggregation (trained like every helper it is compared with).
 * Local training, E epochs: one pass over labeled batches with ``mu_k * CE`` then one pass
   over unlabeled batches with ``(1 - mu_k) * KL(yhat || f_{w_k}(x))``
   (``tasks.losses.kl_to_target``), weak augmentation, dropout on (``tasks.umpfssl.distill.train_distill``).
@@ -143,6 +145,10 @@ class UMPFSSLConfig:
     mc_samples: int = knob(10, lo=1, help="MC-dropout passes T_mc")
     entropy_floor: float = knob(1e-3, lo=0.0, lo_open=True, help="clamp of the normalised entropy Hbar")
     warmup_epochs: int = knob(5, lo=0, help="supervised CE epochs on D_k^s before round 1")
+    self_labels: str = knob("aggregated", choices=("aggregated", "own"),
+                            help="the self model among the pseudo-label sources (the paper does not say which): "
+                                 "the freshly aggregated w_k the client trains next, or its own model as it "
+                                 "uploaded it (before this round's aggregation, trained as every helper is)")
 
     def validate(self) -> None:
         if self.replace > self.helpers - 1:
@@ -252,18 +258,19 @@ def _train_umpfssl(msg: Message, context: Context, env: Env, cfg: UMPFSSLConfig)
     # personalized aggregation (self included with its current weights)
     states = [{k: v.detach().cpu().numpy() for k, v in m.state_dict().items()} for m in [own] + helpers]
     load_numpy_state(own, personalized_weighted(states, corr))
-    # pseudo-labels: helpers' MC predictions + the aggregated self's
+    # pseudo-labels: helpers' MC predictions + self's (the aggregated w_k, or the own model as uploaded)
     metrics: dict[str, Any] = {}
     unl = env.unlabeled()
     targets = torch.zeros(0, env.num_classes)
     if len(unl) > 0:
-        p_self, h_self = scorer.predict(own, scorer.xu, ("u", "aggregated"))
+        p_self, h_self = (scored[0][1], scored[0][2]) if cfg.self_labels == "own" else \
+            scorer.predict(own, scorer.xu, ("u", "aggregated"))
         targets, choice = select_pseudo_labels([p_self] + [s[1] for s in scored[1:]],
                                                [h_self] + [s[2] for s in scored[1:]])
         if unl.labels_known:  # a user's unlabeled images have no hidden labels to compare with
             right = lambda p: float((p.argmax(1) == scorer.yu).float().mean())   # noqa: E731
             metrics["pseudo-label-accuracy"] = right(targets)
-            # which source is right how often: the aggregated own model's MC prediction, and the
+            # which source is right how often: self's MC prediction (umpfssl.self-labels), and the
             # helpers' (the mean over them), before the per-sample choice
             metrics["pseudo-label-accuracy-self"] = right(p_self)
             if len(scored) > 1:
