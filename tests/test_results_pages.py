@@ -146,6 +146,25 @@ def test_a_time_claim_is_judged_on_the_paired_log_times_to_the_budgets_target(tm
     assert not any(ln.startswith("| no time |") for ln in lines)   # a claim without a time claim is not listed
 
 
+def test_the_target_tables_ratios_pair_the_seeds_both_rows_reached_it_on(tmp_path):
+    from flower_apps.report import read_run, seed_groups, target_table
+
+    # a reaches 0.8 in round 2 on every seed, at 10 s/round on seed 0 and 100 s/round on seed 1;
+    # b reaches it in round 4 on seed 0 only (10 s/round): paired, b takes 40/20 = 2x a's time;
+    # means over the seeds each reached it on would say 40 / ((20 + 200) / 2) = 0.36x
+    _timed_run(tmp_path / "a-s0", "a", 0, [0.5, 0.8], 10.0)
+    _timed_run(tmp_path / "a-s1", "a", 1, [0.5, 0.8], 100.0)
+    _timed_run(tmp_path / "b-s0", "b", 0, [0.5, 0.6, 0.7, 0.85], 10.0)
+    _timed_run(tmp_path / "b-s1", "b", 1, [0.5, 0.6, 0.7], 10.0)
+    _timed_run(tmp_path / "c-s1", "c", 1, [0.5, 0.6, 0.8], 10.0)
+    groups = seed_groups([read_run(d) for d in sorted(tmp_path.iterdir())])
+    lines = target_table(groups, 0.8, reference="a").splitlines()
+    assert any(ln.startswith("| a | a | 2/2 |") and ln.endswith("| 1.00x (seeds 0,1) | n/a |") for ln in lines)
+    assert any(ln.startswith("| b | b | 1/2 |") and "| 2.00x (seeds 0) |" in ln for ln in lines)
+    # c reached it on seed 1 only, a on seed 1 in 200 s: 30 / 200
+    assert any(ln.startswith("| c | c | 1/1 |") and "| 0.15x (seeds 1) |" in ln for ln in lines)
+
+
 def test_a_row_marked_reconstruction_is_tagged_in_the_papers_tables(tmp_path):
     paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
                   rows=(Row("a", {"algo": "a"}, label="A", reconstruction=True),
