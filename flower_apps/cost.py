@@ -1,6 +1,8 @@
-"""What a round moves and computes, counted from the model: SCALA's Table V, recomputed.
+"""What a round moves and computes, counted from the model: SCALA's Table V, recomputed, and
+Semi-SFL's bytes per client and round against full-model FL.
 
     python -m flower_apps.cost scala-table5
+    python -m flower_apps.cost semisfl-round --k-u 50
 
 SCALA's Table V (CIFAR-10, AlexNet cut at conv2, 10 of 100 clients per round, server batch
 B = 320, so B_k = 32 per client; I = 10 / 20 / 30 local iterations) gives, per client and
@@ -54,13 +56,68 @@ def scala_table5(batch: int = 32) -> str:
     return "\n".join(lines)
 
 
+#: (model, cut) of the Semi-SFL comparison: the runs' small CNN and the paper's AlexNet
+SEMISFL_MODELS = (("cnn", "conv2"), ("alexnet-semisfl", "conv5"))
+MB = 1e6
+
+
+def semisfl_round_bytes(model_name: str, cut: str, k_u: int, batch: int = 64,
+                        input_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10) -> dict[str, float]:
+    """What one Semi-SFL client and one full-model client move in a round, in bytes, as the
+    runtime counts them (``bytes.*`` metrics): Semi-SFL uploads the student and the teacher
+    features of each of its ``k_u`` batches and its bottom once, and downloads a gradient per
+    batch, each batch's pseudo-labels and mask (int16 + uint8 per sample, the hidden-label
+    metrics, on by default), the bottom and the teacher bottom; a full-model client (SemiFL) moves
+    the model once each way, FedSwitch downloads the teacher too."""
+    from split_layer.cut import cut_cost
+    from tasks.models import build_model
+
+    model = build_model(model_name, in_channels=input_shape[0], num_classes=num_classes, image_size=input_shape[1])
+    c = cut_cost(model, cut, input_shape, batch, k_u, label_bytes=3)
+    feats, bottom, full = c["activation-bytes"], c["bottom-bytes"], c["model-bytes"]
+    return {"model": full, "bottom": bottom, "features": feats,
+            "semisfl-up": 2 * k_u * feats + bottom,
+            "semisfl-down": k_u * (c["gradient-bytes"] + c["label-bytes"]) + 2 * bottom,
+            "full-up": full, "full-down": full, "fedswitch-down": 2 * full,
+            "bottom-train-flops": c["bottom-train-flops"], "model-train-flops": c["model-train-flops"]}
+
+
+def semisfl_round(k_u: int, batch: int = 64) -> str:
+    lines = [f"Semi-SFL per client and round against full-model FL: K_u = {k_u} iterations of B = {batch} "
+             "samples, 1x28x28 inputs, 10 classes (MB = 1e6 bytes, as the runs' bytes.* metrics)", "",
+             "| model (cut) | model | bottom | features of a batch | Semi-SFL up / down | SemiFL up / down "
+             "| FedSwitch up / down | SemiFL's bytes / Semi-SFL's | client GFLOPs per iteration: bottom / full model "
+             "(fwd + bwd) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, cut in SEMISFL_MODELS:
+        b = semisfl_round_bytes(name, cut, k_u, batch)
+        semi = b["semisfl-up"] + b["semisfl-down"]
+        lines.append(
+            f"| `{name}` ({cut}) | {b['model'] / MB:.2f} | {b['bottom'] / MB:.2f} | {b['features'] / MB:.3f} "
+            f"| {b['semisfl-up'] / MB:.1f} / {b['semisfl-down'] / MB:.1f} | {b['full-up'] / MB:.1f} / "
+            f"{b['full-down'] / MB:.1f} | {b['full-up'] / MB:.1f} / {b['fedswitch-down'] / MB:.1f} "
+            f"| {(b['full-up'] + b['full-down']) / semi:.2f}x | {b['bottom-train-flops'] / 1e9:.3f} / "
+            f"{b['model-train-flops'] / 1e9:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flower_apps.cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", choices=("scala-table5",))
-    ap.add_argument("--batch", type=int, default=32, help="samples per client and iteration (paper: 320 / 10)")
+    ap.add_argument("table", choices=("scala-table5", "semisfl-round"))
+    ap.add_argument("--batch", type=int, default=None,
+                    help="samples per client and iteration (scala-table5: 32 = the paper's 320 / 10; "
+                         "semisfl-round: 64, the runs' batch-size)")
+    ap.add_argument("--k-u", type=int, default=50, help="semisfl-round: cross-entity iterations per round "
+                                                        "(the paper's K_u = 50)")
     args = ap.parse_args(argv)
-    print(scala_table5(args.batch))
+    for name, v in (("--batch", args.batch), ("--k-u", args.k_u)):
+        if v is not None and v < 1:
+            ap.error(f"{name}={v}: must be a positive integer")
+    if args.table == "scala-table5":
+        print(scala_table5(args.batch or 32))
+    else:
+        print(semisfl_round(args.k_u, args.batch or 64))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,6 +347,27 @@ def test_scala_table5_from_the_model_matches_the_papers_columns():
         # full model: our reconstruction has 3.21M parameters against the paper's about 3.7M
         assert c["model-forward-flops"] * iters / 1e9 == pytest.approx(fl, rel=0.015)
     assert "| 10 | 5.07 | 5.08 |" in scala_table5()
+
+
+def test_semisfl_round_bytes_counted_from_the_model_are_what_the_committed_runs_metered():
+    """The `semisfl-round` table's cnn row against round 1 of the committed long-budget runs
+    (K_u = 50, B = 64, 3 participants): the bytes each client moved, metric by metric."""
+    from flower_apps.cost import semisfl_round, semisfl_round_bytes
+
+    runs = Path(__file__).resolve().parents[1] / "docs" / "paper-results" / "runs" / "semisfl-fmnist-long"
+    b = semisfl_round_bytes("cnn", "conv2", 50)
+
+    def round1(run: str) -> dict:
+        first = json.loads((runs / run / "metrics.jsonl").read_text().splitlines()[0])
+        return {k: v / first["participants"] for k, v in first.items() if k.startswith("bytes.")}
+
+    semi, full = round1("semisfl-s0"), round1("semifl-s0")
+    assert semi["bytes.activations.up"] + semi["bytes.weights.up"] == pytest.approx(b["semisfl-up"], rel=1e-6)
+    assert (semi["bytes.gradients.down"] + semi["bytes.metrics.down"] + semi["bytes.weights.down"]
+            + semi["bytes.teacher-weights.down"]) == pytest.approx(b["semisfl-down"], rel=1e-6)
+    assert full["bytes.weights.up"] == pytest.approx(b["full-up"], rel=1e-3)   # float32 + BN counters
+    assert full["bytes.weights.down"] == pytest.approx(b["full-down"], rel=1e-3)
+    assert "| `alexnet-semisfl` (conv5) | 145.43 | 11.01 | 1.049 |" in semisfl_round(50)
 
 
 def test_the_documented_toml_example_loads(tmp_path):
