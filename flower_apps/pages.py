@@ -198,12 +198,42 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
             out.append(f"\n![mean accuracy per round, ±1 std over seeds]({figure})\n")
             for metric in curves_of(groups):
                 out.append(f"\n![{metric} per round, mean ± std over seeds]({Path(figure).stem}-{metric}.png)\n")
+    corrected = corrected_table(paper, by_label)
+    if corrected:
+        out += ["## Baselines corrected to their originals\n", corrected]
     for name, (bfolder, bgroups) in budgets.items():
         out.append(budget_section(paper, name, bfolder, bgroups, figure))
     notes = [f"* `{r.name}`: {r.note}" for r in paper.rows if r.note]
     if notes:
         out += ["## Rows\n", "\n".join(notes) + "\n"]
     return "\n".join(s for s in out if s), groups
+
+
+def corrected_table(paper: Paper, by_label: dict[str, SeedGroup]) -> str:
+    """Each row that names its ``former`` self (the same baseline as the library ran it before it
+    was corrected to its original), beside it: both final accuracies, the paired difference
+    (now - former) over the seeds both ran, and what changed (the former row's note). Empty where
+    no row names one."""
+    rows = []
+    for r in (r for r in paper.rows if r.former):
+        now, old = _finals(by_label.get(r.name)), _finals(by_label.get(r.former))
+        seeds = sorted(set(now) & set(old))
+        if not seeds:
+            cells = ["no committed runs of both rows", "", ""]
+        else:
+            d = [now[s] - old[s] for s in seeds]
+            m, sd = _mean_std(d)
+            cells = [_pm(by_label[r.name].stats()["final"]), _pm(by_label[r.former].stats()["final"]),
+                     f"{m:+.3f} ± {sd:.3f} (seeds {','.join(map(str, seeds))})"]
+        rows.append([_row_cell(paper, r.name), cells[0], f"`{r.former}`", *cells[1:],
+                     paper.rows_by_name[r.former].note])
+    if not rows:
+        return ""
+    return ("Rows whose baseline the library once ran differently from its original, beside a probe row "
+            "that reruns the former behaviour on the same seeds (final accuracy, mean ± sample std; "
+            "the difference paired by seed).\n\n"
+            + _table(["row", "now: final accuracy", "former (row)", "former: final accuracy",
+                      "now - former (paired)", "what changed"], rows))
 
 
 def budgets_of(paper: Paper, folder: Path, dataset: str) -> dict[str, tuple[Path, dict[str, SeedGroup]]]:

@@ -58,6 +58,9 @@ class Row:
     reconstruction: bool = False
     #: the method(s) of the paper's tables this row reruns ("" = the row's name)
     label: str | tuple[str, ...] = ""
+    #: a row that reruns this one as the library ran it before it was corrected to its original
+    #: (a probe: its note says what changed); the results page puts the two side by side
+    former: str = ""
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -217,6 +220,10 @@ def load_paper(path: str | Path, data: dict[str, Any] | None = None) -> Paper:
     except TypeError as e:   # a key that no field takes (or a required one missing): the message names it
         raise ValueError(f"{path}: {e}; the keys allowed are the fields of flower_apps.papers' Paper, "
                          f"Row, Claim and Budget") from None
+    for r in paper.rows:
+        if r.former and (r.former == r.name or r.former not in paper.rows_by_name):
+            raise ValueError(f"{path}: row {r.name!r} former={r.former!r} is not another row of the paper: "
+                             f"{', '.join(n for n in paper.rows_by_name if n != r.name)}")
     for name, b in paper.budgets.items():
         if b.dataset not in paper.datasets:
             raise ValueError(f"{path}: [budgets.{name}] dataset={b.dataset!r} is not one of its [datasets.*]: "

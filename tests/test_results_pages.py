@@ -165,6 +165,34 @@ def test_the_target_tables_ratios_pair_the_seeds_both_rows_reached_it_on(tmp_pat
     assert any(ln.startswith("| c | c | 1/1 |") and "| 0.15x (seeds 1) |" in ln for ln in lines)
 
 
+def test_a_corrected_baseline_stands_beside_its_former_self_with_what_changed(tmp_path):
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}, former="a-old"),
+                        Row("a-old", {"algo": "a"}, probe=True, note="evaluated the old way"),
+                        Row("b", {"algo": "b"})))
+    for s, (x, y) in enumerate([(0.2, 0.5), (0.25, 0.45)]):
+        _run(tmp_path / f"a-s{s}", "a", s, [0.1, x])
+        _run(tmp_path / f"a-old-s{s}", "a-old", s, [0.1, y])
+    text, _ = results_page(paper, tmp_path)
+    section = text.split("## Baselines corrected to their originals", 1)[1]
+    # now - former per seed: -0.30, -0.20
+    assert ("| `a` | 0.225 ± 0.035 | `a-old` | 0.475 ± 0.035 | -0.250 ± 0.071 (seeds 0,1) | evaluated the old way |"
+            in section)
+    bare = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="e", rows=(Row("b", {"algo": "b"}),))
+    assert "Baselines corrected" not in results_page(bare, tmp_path)[0]   # no row names a former self
+
+
+def test_a_former_row_must_be_another_row_of_the_paper(tmp_path):
+    from flower_apps.papers import load_paper
+
+    f = tmp_path / "toy.toml"
+    f.write_text('title = "t"\nsupernodes = 2\nexpected = "e"\nbase = {}\n'
+                 '[[rows]]\nname = "a"\noverrides = {algo = "a"}\nformer = "a-old"\n')
+    with pytest.raises(ValueError, match=r"row 'a' former='a-old' is not another row of the paper"):
+        load_paper(f)
+    assert PAPERS["umpfssl"].rows_by_name["pfedme-fix"].former == "pfedme-fix-theta"
+
+
 def test_a_row_marked_reconstruction_is_tagged_in_the_papers_tables(tmp_path):
     paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
                   rows=(Row("a", {"algo": "a"}, label="A", reconstruction=True),
