@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flower_apps.report import (SeedGroup, _mean_std, _pm, onset_table, paired_table, plot_seed_groups, read_run,
-                                seed_groups, seed_table, target_table)
+                                round_cost_table, seed_groups, seed_table, target_table)
 
 if TYPE_CHECKING:
     from flower_apps.papers import Claim, Paper
@@ -313,6 +313,9 @@ def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, Se
     if b.target is not None:
         ref = paper.reference if paper.reference in by_label else ""
         out.append("\nThe target was fixed before these runs. " + target_table(groups, b.target, reference=ref))
+        cost = round_cost_table(groups)
+        if cost:
+            out.append("\n" + cost)
         if any(c.paper_time for c in paper.claims):
             out.append("\n" + time_claim_table(paper, by_label, b.target))
     stem = Path(figure).stem if figure else paper.name

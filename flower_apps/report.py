@@ -387,6 +387,36 @@ def target_table(groups: list[SeedGroup], target: float, metric: str = "accuracy
     return "\n".join(lines) + "\n"
 
 
+def round_cost_table(groups: list[SeedGroup]) -> str:
+    """Where the simulated time of a round goes, per row (runs timed by a system only): the
+    simulated seconds and the MB of an average round (mean ± std over the seeds), and the share
+    of the simulated time the nodes' links took (the rest: the slowest node's compute in each
+    exchange, ``sim-node-compute-seconds``, and the server's, ``sim-server-seconds``). Empty
+    where no run was timed."""
+    lines = []
+    for g in groups:
+        per_s, per_mb, link = [], [], []
+        for r in g.runs:
+            timed = [row for row in r.rows if "sim-seconds" in row]
+            if not timed:
+                continue
+            sim = sum(float(row["sim-seconds"]) for row in timed)
+            work = sum(float(row.get("sim-node-compute-seconds", 0.0)) + float(row.get("sim-server-seconds", 0.0))
+                       for row in timed)
+            per_s.append(sim / len(timed))
+            per_mb.append(sum(float(row.get("bytes.total", 0) or 0) for row in timed) / len(timed) / 1e6)
+            link.append(1.0 - work / sim if sim > 0 else math.nan)
+        if per_s:
+            lines.append("| " + " | ".join([g.label, str(g.config.get("algo", "?")), str(len(per_s)),
+                                            _pm(_mean_std(per_s), 1), _pm(_mean_std(per_mb), 1),
+                                            _pm(_mean_std(link), 3)]) + " |")
+    if not lines:
+        return ""
+    head = ["row", "algo", "runs", "simulated s / round", "MB / round", "share of the time on the links"]
+    return ("Where a round's simulated time goes (every timed round of every run; mean ± std over the runs):\n\n"
+            + "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
+
+
 def paired_table(groups: list[SeedGroup], reference: str, metric: str = "accuracy", last: int = 5) -> str:
     """Each row against the row labelled ``reference``, seed by seed: over the seeds both ran, the
     mean ± sample std of (row - reference) for the final value and the last-``last`` mean, how many

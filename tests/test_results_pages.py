@@ -193,6 +193,27 @@ def test_a_former_row_must_be_another_row_of_the_paper(tmp_path):
     assert PAPERS["umpfssl"].rows_by_name["pfedme-fix"].former == "pfedme-fix-theta"
 
 
+def test_the_round_cost_table_splits_a_rounds_simulated_time_into_links_and_compute(tmp_path):
+    from flower_apps.report import read_run, round_cost_table, seed_groups
+
+    def timed(folder: Path, algo: str, seed: int, rounds: list[tuple[float, float, float, float]]) -> None:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed, "system": "t"}))
+        (folder / "metrics.jsonl").write_text("".join(
+            json.dumps({"round": i + 1, "accuracy": 0.5, "sim-seconds": s, "sim-node-compute-seconds": c,
+                        "sim-server-seconds": v, "bytes.total": b}) + "\n" for i, (s, c, v, b) in enumerate(rounds)))
+
+    # a-s0: 10 s + 30 s, 2 + 6 s of compute, 0 + 2 s of server: links 30/40; 1 MB + 3 MB a round
+    timed(tmp_path / "a-s0", "a", 0, [(10.0, 2.0, 0.0, 1e6), (30.0, 6.0, 2.0, 3e6)])
+    # a-s1: 20 s a round, all of it links; 2 MB
+    timed(tmp_path / "a-s1", "a", 1, [(20.0, 0.0, 0.0, 2e6)])
+    _run(tmp_path / "b-s0", "b", 0, [0.5])   # untimed: no line
+    text = round_cost_table(seed_groups([read_run(d) for d in sorted(tmp_path.iterdir())]))
+    assert "| a | a | 2 | 20.0 ± 0.0 | 2.0 ± 0.0 | 0.875 ± 0.177 |" in text   # links 0.75 and 1.0
+    assert "| b |" not in text
+    assert round_cost_table(seed_groups([read_run(tmp_path / "b-s0")])) == ""
+
+
 def test_a_row_marked_reconstruction_is_tagged_in_the_papers_tables(tmp_path):
     paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
                   rows=(Row("a", {"algo": "a"}, label="A", reconstruction=True),
