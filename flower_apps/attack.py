@@ -16,7 +16,9 @@ them, picks its epoch on a second and reports MSE, SSIM and PSNR of its reconstr
 third (the three parts disjoint, seeded: ``--test-fraction``, ``--val-fraction``, ``--seed``),
 beside the run's final accuracy and the trivial attacker that predicts the mean image.
 
-Written to ``<run folder>/attack.json`` (replaced by a later attack; the settings are in it):
+Written to ``<run folder>/attack.json`` (replaced by a later attack; the settings are in it;
+``--save-as NAME`` writes ``attack-NAME.json`` instead, another attacker's record beside the
+default one, which the results pages put side by side):
 ``{"round", "accuracy", "attack-mse", "attack-ssim", "attack-psnr", "baseline-*", ...}``, and
 printed. ``metrics.jsonl`` stays per round (as resume needs it); :mod:`flower_apps.report` reads
 ``attack.json`` and adds the columns "attack MSE", "attack SSIM", "attack PSNR".
@@ -32,13 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flower_apps.report import ATTACK_FILE
+from flower_apps.report import ATTACK_FILE, OTHER_ATTACK_PREFIX
 from tasks.config import ConfigError, fields_of, key_of
 
 
@@ -67,11 +70,26 @@ def _last_metrics(folder: Path) -> dict[str, Any]:
     return rows[-1] if rows else {}
 
 
+_SAVE_AS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def record_file(save_as: str = "") -> str:
+    """The file an attack record is written to: ``attack.json``, or ``attack-<save_as>.json``
+    (``save_as``: letters, digits, ``_.-``, up to 64 characters, not starting with a sign)."""
+    if not save_as:
+        return ATTACK_FILE
+    if not isinstance(save_as, str) or not _SAVE_AS.fullmatch(save_as):
+        raise ConfigError(f"save-as={save_as!r}: a name of letters, digits and _.- (up to 64 characters, "
+                          "starting with a letter or digit); it names the file attack-<save-as>.json")
+    return f"{OTHER_ATTACK_PREFIX}{save_as}.json"
+
+
 def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None = None, write: bool = True,
-               **settings: Any) -> dict[str, Any]:
+               save_as: str = "", **settings: Any) -> dict[str, Any]:
     """Attack the final model of run ``folder`` (see the module docstring); return the record
-    written to ``attack.json`` (``write=False``: not written). ``settings``: the fields of
-    :class:`tasks.scala.inversion.AttackConfig` (``epochs=5``, ``num_images=200``, ...)."""
+    written to ``attack.json`` (``save_as``: to ``attack-<save_as>.json``; ``write=False``: not
+    written). ``settings``: the fields of :class:`tasks.scala.inversion.AttackConfig`
+    (``epochs=5``, ``num_images=200``, ...)."""
     from flower_apps.config import parse_run_config
     from flower_apps.results import CONFIG, RunFolder, atomic_write_bytes
     from split_layer.cut import split_model
@@ -82,6 +100,7 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
     from tasks.training import resolve_device
 
     folder = Path(folder)
+    out_file = record_file(save_as)   # a bad name fails before the attack's minutes, not after
     if not (folder / CONFIG).exists():
         raise FileNotFoundError(f"{folder} is not a run folder: no {CONFIG}")
     cfg_raw = json.loads((folder / CONFIG).read_text())
@@ -124,7 +143,7 @@ def attack_run(folder: str | Path, *, cut: str | None = None, device: str | None
               "weights": source, "images": f"test split of dataset={task.dataset!r} ({len(x_uint8)} images)"}
     if write:
         RunFolder(folder).check_no_links()
-        atomic_write_bytes(folder / ATTACK_FILE, json.dumps(record, indent=2, default=str).encode())
+        atomic_write_bytes(folder / out_file, json.dumps(record, indent=2, default=str).encode())
     return record
 
 
@@ -163,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "for a full-model run)")
     ap.add_argument("--device", default=None, help="default: the run's device key")
     ap.add_argument("--no-write", action="store_true", help=f"print only; do not write {ATTACK_FILE}")
+    ap.add_argument("--save-as", default="", metavar="NAME",
+                    help=f"write {OTHER_ATTACK_PREFIX}NAME.json instead of {ATTACK_FILE}: another attacker's "
+                         "record beside the default one (e.g. --save-as res_normN4C64 --blocks 4 --residual true)")
     for f, typ in fields_of(AttackConfig):
         opt = "--images" if f.name == "num_images" else "--" + key_of(f.name)
         default = None if f.name == "seed" else f.default
@@ -176,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     settings = {f.name: getattr(args, f.name) for f, _ in fields_of(AttackConfig)}
     try:
-        rec = attack_run(args.run, cut=args.cut, device=args.device, write=not args.no_write, **settings)
+        rec = attack_run(args.run, cut=args.cut, device=args.device, write=not args.no_write,
+                         save_as=args.save_as, **settings)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))},
                      indent=2, default=str))
     if not args.no_write:
-        print(f"written: {Path(args.run) / ATTACK_FILE}")
+        print(f"written: {Path(args.run) / record_file(args.save_as)}")
     return 0
 
 

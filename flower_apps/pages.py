@@ -198,7 +198,7 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
             out.append(f"\n![mean accuracy per round, ±1 std over seeds]({figure})\n")
             for metric in curves_of(groups):
                 out.append(f"\n![{metric} per round, mean ± std over seeds]({Path(figure).stem}-{metric}.png)\n")
-    corrected = corrected_table(paper, by_label)
+    corrected = "\n".join(t for t in (corrected_table(paper, by_label), attacker_table(paper, by_label)) if t)
     if corrected:
         out += ["## Baselines corrected to their originals\n", corrected]
     for name, (bfolder, bgroups) in budgets.items():
@@ -234,6 +234,42 @@ def corrected_table(paper: Paper, by_label: dict[str, SeedGroup]) -> str:
             "the difference paired by seed).\n\n"
             + _table(["row", "now: final accuracy", "former (row)", "former: final accuracy",
                       "now - former (paired)", "what changed"], rows))
+
+
+def attacker_table(paper: Paper, by_label: dict[str, SeedGroup]) -> str:
+    """Each row whose runs also hold another attacker's record on the same final model
+    (``attack-<name>.json``, ``python -m flower_apps.attack RUN --save-as <name>``) beside the
+    default attacker's (``attack.json``): per attacker, MSE, SSIM and PSNR (mean ± sample std over
+    the seeds that have both records), and the other's difference from the default, paired by
+    seed. Empty where no run holds one."""
+    from flower_apps.report import ATTACK_COLUMNS, OTHER_ATTACK_PREFIX
+
+    lines = []
+    for r in paper.rows:
+        g = by_label.get(r.name)
+        for name in sorted({n for run in (g.runs if g else []) for n in run.other_attacks}):
+            both = [run for run in g.runs if run.attack and name in run.other_attacks]
+            if not both:
+                continue
+            seeds = ",".join(str(run.config.get("seed", "?")) for run in both)
+
+            def cells(att: str) -> list[str]:
+                return [_pm(_mean_std([run.attack_value(k, att) for run in both]), d) for k, _, d in ATTACK_COLUMNS]
+
+            diffs = [_pm(_mean_std([run.attack_value(k, name) - run.attack_value(k) for run in both]), d, sign=True)
+                     for k, _, d in ATTACK_COLUMNS]
+            lines.append([_row_cell(paper, r.name), f"{both[0].attack.get('decoder', '?')} (default)",
+                          "`attack.json`", seeds, *cells(""), ""])
+            lines.append([_row_cell(paper, r.name), str(both[0].other_attacks[name].get("decoder", "?")),
+                          f"`{OTHER_ATTACK_PREFIX}{name}.json`", seeds, *cells(name), " / ".join(diffs)])
+    if not lines:
+        return ""
+    return ("The inversion attacker: the default decoder's record on each run's final model beside another "
+            "decoder's on the same model (`python -m flower_apps.attack RUN --save-as NAME`), mean ± sample std "
+            "over the seeds that hold both; the last column is the other decoder's MSE / SSIM / PSNR minus the "
+            "default's, paired by seed.\n\n"
+            + _table(["row", "attacker (decoder)", "record", "seeds", *(c for _, c, _ in ATTACK_COLUMNS),
+                      "other - default (paired)"], lines))
 
 
 def budgets_of(paper: Paper, folder: Path, dataset: str) -> dict[str, tuple[Path, dict[str, SeedGroup]]]:

@@ -19,7 +19,10 @@ figure of the mean curves with ±1 std bands (``flower_apps.papers`` writes its 
 Where a run folder holds an ``attack.json`` (written by ``python -m flower_apps.attack``: the
 evaluation inversion attacker on the run's final model), both tables add the columns "attack
 MSE", "attack SSIM" and "attack PSNR" (the seed table: mean ± std over the seeds that have one);
-runs without one get "n/a" there. Without any ``attack.json`` the tables are as before.
+runs without one get "n/a" there. Without any ``attack.json`` the tables are as before. Another
+attacker's record on the same model (``python -m flower_apps.attack RUN --save-as NAME``:
+``attack-NAME.json``) is read into :attr:`Run.other_attacks`; the results pages put it beside the
+default attacker's (:func:`flower_apps.pages.attacker_table`).
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from flower_apps.plotting import save as _save
 from flower_apps.results import CONFIG, METRICS
 
 ATTACK_FILE = "attack.json"   # (flower_apps.attack writes it)
+#: another attacker's record on the same model: ``attack-<name>.json`` (``--save-as <name>``)
+OTHER_ATTACK_PREFIX = "attack-"
 #: the attack metrics shown, as (attack.json key, column name, digits)
 ATTACK_COLUMNS = (("attack-mse", "attack MSE", 4), ("attack-ssim", "attack SSIM", 3), ("attack-psnr", "attack PSNR", 2))
 
@@ -51,9 +56,14 @@ class Run:
     config: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     attack: dict[str, Any] | None = None   # the run's attack.json, if any
+    #: other attackers' records on the same model, by name (``attack-<name>.json``)
+    other_attacks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def attack_value(self, key: str) -> float:
-        v = (self.attack or {}).get(key)
+    def attack_value(self, key: str, name: str = "") -> float:
+        """``key`` of the default attacker's record (``name`` ``""``) or of ``attack-<name>.json``;
+        NaN where the run has no such record or value."""
+        rec = self.attack if not name else self.other_attacks.get(name)
+        v = (rec or {}).get(key)
         return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
 
     @property
@@ -126,15 +136,19 @@ def read_run(path: str | Path) -> Run:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break  # torn last line of a killed run
-    attack = None
-    if (p / ATTACK_FILE).exists():
-        try:
-            attack = json.loads((p / ATTACK_FILE).read_text())
-        except (OSError, ValueError):
-            attack = None   # unreadable: shown as n/a
-        if not isinstance(attack, dict):
-            attack = None
-    return Run(p, cfg, rows, attack)
+    others = {f.name[len(OTHER_ATTACK_PREFIX):-len(".json")]: rec
+              for f in sorted(p.glob(f"{OTHER_ATTACK_PREFIX}*.json")) if (rec := _json_dict(f)) is not None}
+    return Run(p, cfg, rows, _json_dict(p / ATTACK_FILE), others)
+
+
+def _json_dict(path: Path) -> dict[str, Any] | None:
+    """A JSON object file's content; ``None`` where it is missing, unreadable or not an object
+    (an attack record so: shown as n/a)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
@@ -313,9 +327,9 @@ def seed_groups(runs: list[Run]) -> list[SeedGroup]:
     return list(groups.values())
 
 
-def _pm(ms: tuple[float, float], digits: int = 3) -> str:
+def _pm(ms: tuple[float, float], digits: int = 3, sign: bool = False) -> str:
     m, s = ms
-    return "n/a" if math.isnan(m) else f"{m:.{digits}f} ± {s:.{digits}f}"
+    return "n/a" if math.isnan(m) else f"{m:{'+' if sign else ''}.{digits}f} ± {s:.{digits}f}"
 
 
 def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5) -> str:

@@ -290,6 +290,16 @@ def test_the_command_writes_the_attack_and_the_report_shows_it(split_run, tmp_pa
     # (mean ± std over the seeds that have an attack: here one)
     assert lines[2].endswith(f"| {rec['attack-mse']:.4f} ± 0.0000 | {rec['attack-ssim']:.3f} ± 0.000 "
                              f"| {rec['attack-psnr']:.2f} ± 0.00 |")
+    # another attacker's record goes beside it, not over it; a name that is no file name is refused first
+    assert attack_main([str(run), "--images", "120", "--epochs", "1", "--channels", "8", "--blocks", "0",
+                        "--save-as", "conv0"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"written: {run / 'attack-conv0.json'}")
+    other_rec = json.loads((run / "attack-conv0.json").read_text())
+    assert other_rec["decoder"] == "conv_normN0C8" and json.loads((run / "attack.json").read_text()) == rec
+    from flower_apps.report import read_run
+    assert read_run(run).attack_value("attack-mse", "conv0") == other_rec["attack-mse"]
+    assert attack_main([str(run), "--save-as", "../x"]) == 2
+    assert "save-as='../x': a name of letters, digits and _.-" in capsys.readouterr().err
     # without any attack.json the tables are as before
     (run / "attack.json").unlink()
     assert report_main([str(tmp_path / "runs"), "--out", "-", "--figure", ""]) == 0

@@ -182,6 +182,35 @@ def test_a_corrected_baseline_stands_beside_its_former_self_with_what_changed(tm
     assert "Baselines corrected" not in results_page(bare, tmp_path)[0]   # no row names a former self
 
 
+def test_another_attackers_record_stands_beside_the_default_ones_paired_by_seed(tmp_path):
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="e",
+                  rows=(Row("a", {"algo": "a"}), Row("b", {"algo": "b"})))
+
+    def rec(decoder: str, mse: float, ssim: float, psnr: float) -> str:
+        return json.dumps({"decoder": decoder, "attack-mse": mse, "attack-ssim": ssim, "attack-psnr": psnr})
+
+    # seeds 0, 1 hold both records, seed 2 the default only (left out of the pairing); b has no other record
+    for s, (new, old) in enumerate([((0.010, 0.60, 20.0), (0.007, 0.80, 22.0)),
+                                    ((0.012, 0.64, 19.0), (0.009, 0.76, 21.0)), ((0.5, 0.1, 5.0), None)]):
+        _run(tmp_path / f"a-s{s}", "a", s, [0.1, 0.2])
+        (tmp_path / f"a-s{s}" / "attack.json").write_text(rec("shallow", *new))
+        if old:
+            (tmp_path / f"a-s{s}" / "attack-deep.json").write_text(rec("deep", *old))
+    _run(tmp_path / "b-s0", "b", 0, [0.1, 0.2])
+    (tmp_path / "b-s0" / "attack.json").write_text(rec("shallow", 0.02, 0.5, 17.0))
+    text, _ = results_page(paper, tmp_path)
+    section = text.split("## Baselines corrected to their originals", 1)[1]
+    assert ("| `a` | shallow (default) | `attack.json` | 0,1 | 0.0110 ± 0.0014 | 0.620 ± 0.028 | 19.50 ± 0.71 |  |"
+            in section)
+    # deep - shallow per seed: MSE -0.003, -0.003; SSIM +0.20, +0.12; PSNR +2, +2
+    assert ("| `a` | deep | `attack-deep.json` | 0,1 | 0.0080 ± 0.0014 | 0.780 ± 0.028 | 21.50 ± 0.71 | "
+            "-0.0030 ± 0.0000 / +0.160 ± 0.057 / +2.00 ± 0.00 |" in section)
+    assert "| `b` |" not in section
+    for f in tmp_path.glob("a-s*/attack-deep.json"):
+        f.unlink()
+    assert "Baselines corrected" not in results_page(paper, tmp_path)[0]
+
+
 def test_a_former_row_must_be_another_row_of_the_paper(tmp_path):
     from flower_apps.papers import load_paper
 
