@@ -340,9 +340,11 @@ def budget_section(paper: Paper, name: str, folder: Path, by_label: dict[str, Se
     b = paper.budgets[name]
     groups = list(by_label.values())
     keys = " ".join(f"{k}={v!r}" for k, v in b.overrides.items())
+    seeds = sorted({int(r.config.get("seed", 0)) for g in groups for r in g.runs}) or [0, 1, 2]
     out = [f"## At the budget `{name}`\n",
            f"Run folders: [`docs/paper-results/runs/{folder.name}/`](runs/{folder.name}/), rerun with "
-           f"`python -m flower_apps.papers {paper.name} --budget {name} --seeds 0 1 2` (the keys `{keys}` over the "
+           f"`python -m flower_apps.papers {paper.name} --budget {name} --seeds {' '.join(map(str, seeds))}` "
+           f"(the committed seeds; the keys `{keys}` over the "
            f"budget above). {b.settings}.\n", seed_table(groups)]
     if paper.reference in by_label and len(groups) > 1:
         out.append("\n" + paired_table(groups, paper.reference))

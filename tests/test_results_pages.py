@@ -94,7 +94,8 @@ def test_a_budget_judges_each_claim_beside_the_first_and_has_its_own_section(tmp
     assert "| -0.050 ± 0.000 (seeds 0,1,2) | 0/3 | -inf | not reproduced (reversed, significant) |" in line
     assert line.endswith("| +0.110 ± 0.010 (seeds 0,1,2) | 3/3 | +19.05 | reproduced |")
     section = text.split("## At the budget `long`", 1)[1]
-    assert "runs/toy-fmnist-long/" in section and "--budget long" in section and "three rounds." in section
+    assert "runs/toy-fmnist-long/" in section and "three rounds." in section
+    assert "`python -m flower_apps.papers toy --budget long --seeds 0 1 2` (the committed seeds;" in section
     assert "Time and bytes to accuracy >= 0.75" in section   # a (round 3) reaches it, b never does
     assert "| a | a | 3/3 |" in section and "| b | b | 0/3 |" in section
     assert "(toy-long-accuracy.png)" in section and "mask-rate" not in section   # no such metric logged
