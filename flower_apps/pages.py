@@ -298,12 +298,28 @@ def _times_to(g: SeedGroup | None, target: float) -> dict[int, tuple[float, bool
     return out
 
 
+def _bounded_verdict(v: str, bound: str, missed: list[int]) -> str:
+    """A time verdict where some seed's time is a bound (a row never reached the target): a bound
+    supports a verdict only in its own direction. Where only B missed it (B's times are lower bounds)
+    "A is sooner" stands but "B is significantly sooner" does not; where only A missed it (upper
+    bounds), the reverse; where both did on some seed, neither significant verdict stands."""
+    if not bound:
+        return v
+    on = f"a bound on seeds {','.join(map(str, missed))}"
+    if v == "reproduced" and bound != ">= ":
+        return f"in direction only ({on})"
+    if v.endswith("(reversed, significant)") and bound != "<= ":
+        return f"not reproduced ({on})"
+    return v
+
+
 def time_claim_table(paper: Paper, by_label: dict[str, SeedGroup], target: float) -> str:
     """The claims the paper makes in time to a target (``Claim.paper_time``), judged at ``target``:
     per seed both rows ran, the ratio of B's time to A's (a run that never reached the target
     counts its whole time, so a ratio over such a run is a bound: ">=" where only B missed it,
     "<=" where only A did); the verdict on "A reaches it sooner" from the paired differences of
-    the log times, by the rule of the claims table (:func:`verdict`)."""
+    the log times, by the rule of the claims table (:func:`verdict`), where a bound supports only a
+    verdict in its own direction (:func:`_bounded_verdict`)."""
     rows = []
     for c in (c for c in paper.claims if c.paper_time):
         a, b = _times_to(by_label.get(c.better), target), _times_to(by_label.get(c.worse), target)
@@ -325,10 +341,11 @@ def time_claim_table(paper: Paper, by_label: dict[str, SeedGroup], target: float
         reached = f"{sum(a[s][1] for s in seeds)}/{len(seeds)} and {sum(b[s][1] for s in seeds)}/{len(seeds)}"
         t = paired_t(d)
         rows.append([c.text, c.paper_time, f"{bound}{ratio:.2f}x (seeds {','.join(map(str, seeds))})", reached,
-                     "n/a" if math.isnan(t) else f"{t:+.2f}", verdict(d)])
+                     "n/a" if math.isnan(t) else f"{t:+.2f}", _bounded_verdict(verdict(d), bound, missed)])
     return (f"Time claims at accuracy {target:g}: B's time over A's, the geometric mean over the seeds both rows ran "
-            "(above 1: A is sooner); a run that never reached the target counts its whole time. Verdict on \"A "
-            "is sooner\" from the paired differences of the log times, by the rule of the claims table.\n\n"
+            "(above 1: A is sooner); a run that never reached the target counts its whole time, so that seed's ratio "
+            "is a bound. Verdict on \"A is sooner\" from the paired differences of the log times, by the rule of "
+            "the claims table; a bound supports only a verdict in its own direction.\n\n"
             + _table(["claim", "paper", "ours: B's time / A's", "seeds reaching it (A and B)", "paired t", "verdict"],
                      rows))
 

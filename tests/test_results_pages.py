@@ -145,6 +145,32 @@ def test_a_time_claim_is_judged_on_the_paired_log_times_to_the_budgets_target(tm
     # C never reaches it: its whole 150 s counts, the ratio 7.5x is a lower bound
     assert "| A > C | 2x sooner | >= 7.50x (seeds 0,1,2) | 3/3 and 0/3 | +inf | reproduced |" in lines
     assert not any(ln.startswith("| no time |") for ln in lines)   # a claim without a time claim is not listed
+    assert "a bound supports only a verdict in its own direction" in text
+
+
+def test_a_time_bound_supports_a_verdict_only_in_its_own_direction(tmp_path):
+    from flower_apps.pages import time_claim_table
+    from flower_apps.report import read_run, seed_groups
+
+    paper = Paper(name="toy", title="Toy", base={}, supernodes=2, expected="A > B", settings="s",
+                  rows=(Row("a", {"algo": "a"}), Row("b", {"algo": "b"})),
+                  claims=(Claim("A > B", "a", "b", "+1", paper_time="5x sooner"),
+                          Claim("B > A", "b", "a", "+1", paper_time="5x sooner")))
+    for s in range(3):
+        # a reaches 0.8 in round 10 at 10 s/round (100 s); b is faster per round (1 s) but reaches it on seed 0
+        # only (round 4), and stops at round 10 + s below it on seeds 1, 2: its 11 and 12 s are lower bounds
+        _timed_run(tmp_path / f"a-s{s}", "a", s, [0.5] * 9 + [0.8], 10.0)
+        _timed_run(tmp_path / f"b-s{s}", "b", s, [0.5, 0.6, 0.7, 0.85] if s == 0 else [0.5] * (10 + s), 1.0)
+    by_label = {g.label: g for g in seed_groups([read_run(d) for d in sorted(tmp_path.iterdir())])}
+    lines = time_claim_table(paper, by_label, 0.8).splitlines()
+    # B/A: 4/100, >= 11/100, >= 12/100: B looks sooner, but on seeds 1, 2 it may never get there
+    a_b = next(ln for ln in lines if ln.startswith("| A > B |"))
+    assert "| >= 0.08x (seeds 0,1,2) | 3/3 and 1/3 |" in a_b and a_b.endswith("| not reproduced (a bound on seeds 1,2) |")
+    assert verdict([math.log(r) for r in (0.04, 0.11, 0.12)]) == "not reproduced (reversed, significant)"
+    # judged the other way round (A = b), the same times are upper bounds on A's: "reproduced" cannot stand;
+    # the ratio is 1 / the geometric mean of 0.04, 0.11, 0.12 = 12.37
+    b_a = next(ln for ln in lines if ln.startswith("| B > A |"))
+    assert f"| <= {(0.04 * 0.11 * 0.12) ** (-1 / 3):.2f}x (seeds 0,1,2) | 1/3 and 3/3 |" in b_a and b_a.endswith("| in direction only (a bound on seeds 1,2) |")
 
 
 def test_the_target_tables_ratios_pair_the_seeds_both_rows_reached_it_on(tmp_path):
