@@ -145,6 +145,17 @@ def _row_cell(paper: Paper, name: str) -> str:
     return f"`{name}`" + (" (reconstruction)" if row is not None and row.reconstruction else "")
 
 
+def _settings_line(paper: Paper, dataset: str) -> str:
+    """The paper's settings in words; on a dataset's budget, these are the base comparison's, so the
+    line names the keys the budget sets over them (where the two disagree, the budget holds)."""
+    over = paper.datasets[dataset].overrides if dataset in paper.datasets else {}
+    if not over:
+        return f"Settings: {paper.settings}.\n"
+    keys = ", ".join(f"`{k} = {v!r}`" for k, v in over.items())
+    return (f"Settings of the base comparison, under the budget above, which sets {keys} over them: "
+            f"{paper.settings}.\n")
+
+
 def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", figure: str = "") -> tuple[str, list]:
     """The page's markdown and the seed groups it was made of (for the figure)."""
     runs = [read_run(d) for d in sorted(folder.iterdir()) if (d / "metrics.jsonl").exists()] if folder.is_dir() else []
@@ -158,7 +169,7 @@ def results_page(paper: Paper, folder: Path, dataset: str = "fashion-mnist", fig
            + " (each run's `config.json` and `metrics.jsonl`); do not edit by hand. Accuracy is the test accuracy "
            "after the last round; mean ± sample std over the committed seeds.\n",
            f"Budget: {paper.datasets[dataset].settings}.\n" if dataset in paper.datasets else "",
-           f"Settings: {paper.settings}.\n", f"The paper's ordering: {paper.expected}.\n"]
+           _settings_line(paper, dataset), f"The paper's ordering: {paper.expected}.\n"]
     budgets = budgets_of(paper, folder, dataset)
     if paper.claims:
         head = ["claim", "paper", "ours: A - B (final)", "seeds A ahead", "paired t", "verdict"]

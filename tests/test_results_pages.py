@@ -88,6 +88,10 @@ def test_a_budget_judges_each_claim_beside_the_first_and_has_its_own_section(tmp
         _run(long / f"a-s{s}", "a", s, [0.5, 0.7, 0.80 + s / 100])
         _run(long / f"b-s{s}", "b", s, [0.5, 0.6, 0.70])
     text, _ = results_page(paper, first, "fashion-mnist", figure="toy.png")
+    # the base comparison's settings stand under the dataset's budget, which names the keys it sets over them
+    assert "Budget: full data.\n" in text
+    assert ("Settings of the base comparison, under the budget above, which sets `dataset = 'fashion-mnist'` "
+            "over them: s.\n") in text
     head = next(ln for ln in text.splitlines() if ln.startswith("| claim |"))
     assert head.endswith("| verdict | long: A - B (final) | long: seeds A ahead | long: paired t | long: verdict |")
     line = next(ln for ln in text.splitlines() if ln.startswith("| A > B |"))
