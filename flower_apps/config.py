@@ -373,4 +373,6 @@ def check_partition(parsed: ParsedConfig, num_partitions: int) -> None:
 
 
 if __name__ == "__main__":  # python -m flower_apps.config > docs/config.md
-    sys.exit(main())
+    from flower_apps.cli import run
+
+    run(main)

@@ -18,7 +18,6 @@ up, gradients down, the client model down and up; forward + backward FLOPs).
 from __future__ import annotations
 
 import argparse
-import sys
 
 PAPER_TABLE5 = {10: (5.07, 3.59, 44.69), 20: (10.07, 7.18, 89.38), 30: (15.08, 10.77, 134.07)}
 PAPER_FULL_MB = 14.76
@@ -122,4 +121,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flower_apps.cli import run
+
+    run(main)
