@@ -46,8 +46,13 @@ OTHER_ATTACK_PREFIX = "attack-"
 #: the attack metrics shown, as (attack.json key, column name, digits)
 ATTACK_COLUMNS = (("attack-mse", "attack MSE", 4), ("attack-ssim", "attack SSIM", 3), ("attack-psnr", "attack PSNR", 2))
 
-# keys that differ between runs but say nothing about the experiment
-_IGNORED_KEYS = {"run-name", "results-dir", "resume", "round-timeout"}
+# keys that differ between runs but say nothing about the experiment: where its files go, how long
+# to wait, and how a split algorithm's exchanges travel (the transport and its stream's addressing,
+# TLS and session length give the same weights bit for bit: tests/test_transport_choice.py,
+# tests/test_split_sessions.py), so runs over messages and over the stream are one experiment's seeds
+_IGNORED_KEYS = {"run-name", "results-dir", "resume", "round-timeout", "startup-timeout", "wait-for-nodes",
+                 "split-transport", "split-stream-host", "split-stream-advertise", "split-stream-port",
+                 "split-stream-tls", "split-stream-session", "split-stream-allow-plaintext"}
 
 
 @dataclass
@@ -334,7 +339,7 @@ def _pm(ms: tuple[float, float], digits: int = 3, sign: bool = False) -> str:
 
 def seed_table(groups: list[SeedGroup], metric: str = "accuracy", last: int = 5) -> str:
     """One row per experiment: mean ± std over its seeds (final, best, last-``last`` mean)."""
-    vary = varying_keys([g.runs[0] for g in groups])
+    vary = [k for k in varying_keys([g.runs[0] for g in groups]) if k not in _SEED_KEYS]   # (the seeds column)
     attack = _has_attack([r for g in groups for r in g.runs])
     head = ["row", "algo", *vary, "seeds", f"final {metric}", f"best {metric}", f"last-{last} mean",
             "rounds", "wall time / run", *([c for _, c, _ in ATTACK_COLUMNS] if attack else [])]

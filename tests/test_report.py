@@ -131,6 +131,24 @@ def test_a_key_a_run_predates_groups_at_its_default(tmp_path):
     assert [(g.label, [r.config["seed"] for r in g.runs]) for g in groups] == [("a", [0, 1]), ("b", [0])]
 
 
+def test_runs_that_differ_only_in_how_their_exchanges_travel_are_one_experiments_seeds(tmp_path):
+    """The split transport (messages or the stream, which give the same weights bit for bit) and the
+    waits do not make another experiment; a key that changes the training does."""
+    from flower_apps.report import read_run, seed_groups, seed_table
+    from flower_apps.simulate import fused_run_config
+
+    base = {**fused_run_config(None), "algo": "semisfl", "results-dir": "r"}
+    _write_run(tmp_path / "a-s0", {**base, "split-transport": "message", "wait-for-nodes": 60.0, "seed": 0,
+                                   "run-name": "a-s0"}, [0.5])
+    _write_run(tmp_path / "a-s1", {**base, "split-transport": "auto", "seed": 1, "run-name": "a-s1"}, [0.6])
+    _write_run(tmp_path / "b-s0", {**base, "lr": 0.5, "seed": 0, "run-name": "b-s0"}, [0.7])
+    groups = seed_groups([read_run(tmp_path / n) for n in ("a-s0", "a-s1", "b-s0")])
+    assert [(g.label, [r.config["seed"] for r in g.runs]) for g in groups] == [("a", [0, 1]), ("b", [0])]
+    # the table's columns are the keys that tell the rows apart: lr, not the transport or the seed
+    head = seed_table(groups).splitlines()[0]
+    assert head.startswith("| row | algo | lr | seeds |")
+
+
 def test_every_round_axis_is_ticked_at_whole_rounds(monkeypatch, tmp_path):
     """A 4-round run's figures tick 1, 2, 3, 4 on the round axis, never 1.5 or 2.5: the run folder's
     curves.png (flower_apps.results) and the seed-group figure of a report."""
